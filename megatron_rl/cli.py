@@ -1,0 +1,73 @@
+"""The `megatron-rl` command: train | rollout-server."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import yaml
+
+
+def _train(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="megatron-rl train",
+        description="RL-train a policy (GRPO / DAPO / DA3PO) from a YAML recipe.",
+        epilog="Overrides: key.sub=value (verl's dotted names are accepted too), e.g. run_dir=runs/x "
+        "actor.optim.lr=1e-6 algorithm.daa.enable=true",
+    )
+    parser.add_argument("--config", required=True, help="YAML recipe, e.g. examples/tiny/da3po.yaml")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="run the static checks, print the resolved config, list deferred environment checks")
+    parser.add_argument("overrides", nargs="*", help="key.sub=value")
+    args = parser.parse_args(argv)
+
+    from megatron_rl.config import config_to_dict, environment_checks, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"megatron-rl train: config error: {e}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
+        print("# static checks: passed")
+        for desc, _ in environment_checks(cfg):
+            print(f"# environment check deferred to launch: {desc}")
+        return 0
+    from megatron_rl.trainer.loop import run_training
+
+    summary = run_training(cfg)
+    keys = [k for k in ("eval_before", "eval_after") if k in summary]
+    for k in keys:
+        ev = summary[k]
+        print(f"{k}: " + ", ".join(f"{m}={ev[m]:.3f}" for m in ev if isinstance(ev[m], float) and m != "wall_s"))
+    print(f"summary: {cfg.run_dir}/summary.json")
+    return 0
+
+
+def _rollout_server(argv: list[str]) -> int:
+    from megatron_rl.rollout.server import main as server_main
+
+    return server_main(argv) or 0
+
+
+COMMANDS = {
+    "train": _train,
+    "rollout-server": _rollout_server,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `megatron-rl` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        print("usage: megatron-rl {%s} ..." % " | ".join(COMMANDS), file=sys.stderr)
+        print("  train           RL training from a YAML recipe (--config FILE [key=value ...] [--dry-run])",
+              file=sys.stderr)
+        print("  rollout-server  the embedded HF-transformers server speaking SGLang's HTTP API", file=sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    return COMMANDS[argv[0]](argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

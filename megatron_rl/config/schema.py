@@ -1,0 +1,394 @@
+"""The configuration schema: one dataclass per section, checked locally in `__post_init__`.
+
+Leaf names follow verl's DAPO recipe (`actor.clip_ratio_high`, `algorithm.filter_groups.*`,
+`reward.overlong_buffer.*`) and Megatron's parallelism names (`tensor_model_parallel_size`).
+Cross-section checks live in `megatron_rl.config.validate`. Imports only the standard library.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+def _choice(section: str, name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(
+            f"{section}.{name}: {value!r} is not allowed; choose one of {', '.join(map(repr, allowed))}"
+        )
+
+
+def _positive(section: str, name: str, value, *, allow_zero: bool = False) -> None:
+    if value is None:
+        return
+    if (value < 0) if allow_zero else (value <= 0):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{section}.{name}: {value!r} must be {bound}")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    path: Optional[str] = None
+    """Hugging Face model folder (config.json, *.safetensors, tokenizer files). Required to train."""
+    hf_config_path: Optional[str] = None
+    """A `config.json` to take the architecture from when `path` is not available (e.g. `--dry-run`
+    of the 32B recipes on a laptop). Ignored when `path` is set."""
+    tokenizer_path: Optional[str] = None
+    """Tokenizer folder; defaults to `path`."""
+    make_vocab_size_divisible_by: int = 128
+    """megatron-core pads the vocabulary to a multiple of this times TP; padded rows are masked."""
+
+    def __post_init__(self) -> None:
+        _positive("model", "make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)
+    """verl-format rows (.jsonl or .parquet). Relative paths resolve against the recipe's folder."""
+    train_adapter: str = "verl"
+    """Row adapter for `train_files` (`verl`, `aime`, `amc`, `math500`, `gsm8k`)."""
+    val_files: list[str] = field(default_factory=list)
+    """Held-out rows for evaluation (eval_before / eval_after / periodic eval)."""
+    val_adapter: str = "verl"
+    """Row adapter for `val_files`."""
+    train_batch_size: int = 8
+    """Prompts (groups) trained on per RL step, as in verl."""
+    gen_batch_size: Optional[int] = None
+    """Prompts drawn per generation batch (DAPO over-draws for dynamic sampling); default = train_batch_size."""
+    max_prompt_length: int = 128
+    """Tokens; longer prompts raise an error naming the row."""
+    max_response_length: int = 64
+    """Generated tokens per response, EOS included (L_max of the overlong shaping)."""
+    shuffle: bool = True
+    """Reshuffle the prompt pool each epoch (seeded by `trainer.seed` and the epoch)."""
+
+    def __post_init__(self) -> None:
+        _positive("data", "train_batch_size", self.train_batch_size)
+        _positive("data", "gen_batch_size", self.gen_batch_size)
+        _positive("data", "max_prompt_length", self.max_prompt_length)
+        _positive("data", "max_response_length", self.max_response_length)
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    backend: str = "embedded"
+    """`embedded`: the project's HF-transformers server speaking SGLang's HTTP API, started by
+    `megatron-rl train` when `server_urls` is empty; `sglang`: SGLang servers at `server_urls`."""
+    server_urls: list[str] = field(default_factory=list)
+    """Base URLs of running rollout servers; empty = start embedded servers."""
+    num_servers: int = 1
+    """Embedded servers to start when `server_urls` is empty."""
+    n: int = 8
+    """Responses per prompt (group size G)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 = whole vocabulary."""
+    deterministic: bool = True
+    """Derive each response's `sampling_seed` from (seed, step, prompt, response) so a run repeats."""
+    timeout_s: float = 600.0
+    """HTTP timeout of one /generate call."""
+    startup_timeout_s: float = 180.0
+    """How long to wait for an embedded server's /health."""
+    max_concurrency: int = 256
+    """Requests in flight per server."""
+    api_key: Optional[str] = None
+    """Bearer token for /generate (secret: never written to logs or saved configs)."""
+    admin_api_key: Optional[str] = None
+    """Bearer token for the control endpoints (secret)."""
+    server_max_batch_size: int = 256
+    """Embedded server: sequences decoded together."""
+
+    def __post_init__(self) -> None:
+        _choice("rollout", "backend", self.backend, ("embedded", "sglang"))
+        _positive("rollout", "n", self.n)
+        _positive("rollout", "num_servers", self.num_servers)
+        _positive("rollout", "temperature", self.temperature, allow_zero=True)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"rollout.top_p: {self.top_p!r} must be in (0, 1]")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"rollout.top_k: {self.top_k!r} must be -1 (off) or >= 1")
+        _positive("rollout", "timeout_s", self.timeout_s)
+        _positive("rollout", "max_concurrency", self.max_concurrency)
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    lr: float = 1e-6
+    """Peak learning rate."""
+    lr_warmup_steps: int = 0
+    """Linear warm-up, in optimizer updates of RL steps (DAPO: 20 RL steps)."""
+    lr_decay_style: str = "constant"
+    weight_decay: float = 0.1
+    clip_grad: float = 1.0
+    """Global gradient-norm clip; 0 = off."""
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        _positive("actor.optim", "lr", self.lr)
+        _positive("actor.optim", "lr_warmup_steps", self.lr_warmup_steps, allow_zero=True)
+        _choice("actor.optim", "lr_decay_style", self.lr_decay_style, ("constant", "linear", "cosine"))
+        _positive("actor.optim", "clip_grad", self.clip_grad, allow_zero=True)
+
+
+@dataclass(kw_only=True)
+class TISConfig:
+    enable: bool = False
+    """Truncated importance sampling: weight min(exp(old_logprobs - rollout_logprobs), clip)."""
+    clip: float = 2.0
+
+    def __post_init__(self) -> None:
+        _positive("actor.tis", "clip", self.clip)
+
+
+@dataclass(kw_only=True)
+class ActorConfig:
+    ppo_mini_batch_size: int = 8
+    """Prompts per optimizer update (x rollout.n sequences), as in verl."""
+    ppo_micro_batch_size: int = 16
+    """Sequences per forward/backward micro-batch on one data-parallel rank."""
+    ppo_epochs: int = 1
+    policy_loss: str = "vanilla"
+    """Registry name: vanilla | gspo | cispo."""
+    loss_agg_mode: str = "token-mean"
+    """token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm."""
+    loss_scale_factor: Optional[float] = None
+    """C of seq-mean-token-sum-norm; default data.max_response_length."""
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    """DAPO clip-higher uses 0.28."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip bound for negative advantages; must be > 1."""
+    gspo_clip_low: float = 3e-4
+    gspo_clip_high: float = 4e-4
+    cispo_clip_low: Optional[float] = None
+    cispo_clip_high: float = 0.28
+    mask_truncated: bool = False
+    """Overlong filtering: responses without EOS get loss mask 0."""
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.0
+    kl_loss_type: str = "low_var_kl"
+    entropy_coeff: float = 0.0
+    tis: TISConfig = field(default_factory=TISConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+    def __post_init__(self) -> None:
+        _positive("actor", "ppo_mini_batch_size", self.ppo_mini_batch_size)
+        _positive("actor", "ppo_micro_batch_size", self.ppo_micro_batch_size)
+        _positive("actor", "ppo_epochs", self.ppo_epochs)
+        _choice("actor", "policy_loss", self.policy_loss, ("vanilla", "gspo", "cispo"))
+        _choice(
+            "actor",
+            "loss_agg_mode",
+            self.loss_agg_mode,
+            ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
+        )
+        _choice("actor", "kl_loss_type", self.kl_loss_type, ("k1", "k2", "k3", "low_var_kl"))
+        if self.clip_ratio_c <= 1.0:
+            raise ValueError(f"actor.clip_ratio_c: {self.clip_ratio_c!r} must be > 1 (dual-clip)")
+        for name in ("clip_ratio_low", "clip_ratio_high", "gspo_clip_low", "gspo_clip_high", "cispo_clip_high"):
+            _positive("actor", name, getattr(self, name))
+        _positive("actor", "loss_scale_factor", self.loss_scale_factor)
+        _positive("actor", "kl_loss_coef", self.kl_loss_coef, allow_zero=True)
+
+
+@dataclass(kw_only=True)
+class FilterGroupsConfig:
+    enable: bool = False
+    """DAPO dynamic sampling: keep only groups whose `metric` is not constant."""
+    metric: str = "acc"
+    """acc (raw correctness) | score (shaped reward)."""
+    max_num_gen_batches: int = 10
+    """Generation batches per step at most; <= 0 = no limit."""
+    on_exhausted: str = "train_partial"
+    """train_partial | error, when max_num_gen_batches is reached."""
+
+    def __post_init__(self) -> None:
+        _choice("algorithm.filter_groups", "metric", self.metric, ("acc", "score"))
+        _choice("algorithm.filter_groups", "on_exhausted", self.on_exhausted, ("train_partial", "error"))
+
+
+@dataclass(kw_only=True)
+class DAAConfig:
+    enable: bool = False
+    """DA3PO: amplify correct responses' advantages on hard prompts (ALGORITHMS.md section 4)."""
+    difficulty: str = "history"
+    """group | conditional | history."""
+    factor: str = "balanced"
+    """balanced (beta(q)) | power ((hard_threshold / q) ** gamma)."""
+    hard_threshold: float = 0.5
+    max_factor: float = 8.0
+    gamma: float = 1.0
+    prior_a: float = 0.5
+    prior_b: float = 0.5
+
+    def __post_init__(self) -> None:
+        _choice("algorithm.daa", "difficulty", self.difficulty, ("group", "conditional", "history"))
+        _choice("algorithm.daa", "factor", self.factor, ("balanced", "power"))
+        if not 0.0 < self.hard_threshold <= 1.0:
+            raise ValueError(f"algorithm.daa.hard_threshold: {self.hard_threshold!r} must be in (0, 1]")
+        if self.max_factor < 1.0:
+            raise ValueError(f"algorithm.daa.max_factor: {self.max_factor!r} must be >= 1")
+        _positive("algorithm.daa", "gamma", self.gamma)
+        _positive("algorithm.daa", "prior_a", self.prior_a)
+        _positive("algorithm.daa", "prior_b", self.prior_b)
+
+
+@dataclass(kw_only=True)
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    """grpo | rloo | reinforce_plus_plus_baseline."""
+    grpo_std: str = "unbiased"
+    """unbiased (Bessel, as verl) | population."""
+    norm_adv_by_std_in_grpo: bool = True
+    """False + loss_agg_mode seq-mean-token-sum-norm = Dr. GRPO."""
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    daa: DAAConfig = field(default_factory=DAAConfig)
+
+    def __post_init__(self) -> None:
+        _choice(
+            "algorithm", "adv_estimator", self.adv_estimator, ("grpo", "rloo", "reinforce_plus_plus_baseline")
+        )
+        _choice("algorithm", "grpo_std", self.grpo_std, ("unbiased", "population"))
+
+
+@dataclass(kw_only=True)
+class OverlongBufferConfig:
+    enable: bool = False
+    len: int = 16
+    """Tokens of the soft-punishment buffer (L_buf); must be < data.max_response_length."""
+    penalty_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        _positive("reward.overlong_buffer", "len", self.len)
+        _positive("reward.overlong_buffer", "penalty_factor", self.penalty_factor, allow_zero=True)
+
+
+@dataclass(kw_only=True)
+class RewardConfig:
+    reward_fn: str = "dapo_math"
+    """Registry name of the verifier."""
+    correct_score: float = 1.0
+    incorrect_score: float = -1.0
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    num_workers: int = 2
+    """Verifier processes."""
+    timeout_s: float = 10.0
+    """Per-response verifier timeout; a timeout marks the response invalid."""
+
+    def __post_init__(self) -> None:
+        _positive("reward", "num_workers", self.num_workers)
+        _positive("reward", "timeout_s", self.timeout_s)
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    before_train: bool = True
+    """Evaluate the base policy before the first step (summary.json eval_before)."""
+    after_train: bool = True
+    interval: int = 0
+    """Evaluate every this many steps; 0 = only before/after."""
+    n: int = 8
+    """Samples a problem for avg@n / pass@n."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 1234
+    """Fixed sampling seed of the eval (each sample derives its own)."""
+    max_problems: int = 0
+    """Evaluate on the first this many val rows; 0 = all."""
+    max_response_length: Optional[int] = None
+    """Default: data.max_response_length."""
+
+    def __post_init__(self) -> None:
+        _positive("eval", "n", self.n)
+        _positive("eval", "interval", self.interval, allow_zero=True)
+        _positive("eval", "max_problems", self.max_problems, allow_zero=True)
+
+
+@dataclass(kw_only=True)
+class WeightSyncConfig:
+    bucket_size_mib: float = 512.0
+    """Bytes per broadcast bucket, MiB."""
+    backend: str = "gloo"
+    """gloo (CPU) | nccl (GPU)."""
+    master_address: str = "127.0.0.1"
+    master_port: Optional[int] = None
+    """TCPStore port of the weight-sync group; None = a free port."""
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        _positive("weight_sync", "bucket_size_mib", self.bucket_size_mib)
+        _choice("weight_sync", "backend", self.backend, ("gloo", "nccl"))
+
+
+@dataclass(kw_only=True)
+class TrainerConfig:
+    total_training_steps: int = 10
+    """RL steps (verl's name)."""
+    seed: int = 1234
+    save_interval: int = 0
+    """Checkpoint every this many steps; 0 = only at the end."""
+    save_last: bool = True
+    """Write a checkpoint after the last step."""
+    keep_last_n_checkpoints: int = 2
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+    nproc_per_node: int = 1
+    """Trainer processes launched on this machine (world size when not under torchrun/srun)."""
+    precision: str = "fp32"
+    """fp32 | bf16."""
+    fp8: Optional[str] = None
+    """None | hybrid | e4m3 (needs Transformer Engine on Hopper or newer)."""
+    fp8_recipe: str = "delayed"
+    """delayed | tensorwise | blockwise | mxfp8."""
+    fp8_amax_history_len: int = 1024
+    fp8_margin: int = 0
+    recompute: Optional[str] = None
+    """None | selective | full activation recompute."""
+    distributed_backend: str = "gloo"
+    distributed_timeout_s: float = 600.0
+    """Timeout of every collective of the trainer."""
+    tensorboard: bool = True
+    wandb: bool = False
+    progress_bar: bool = True
+    num_threads: int = 0
+    """torch intra-op threads per process; 0 = torch's default."""
+
+    def __post_init__(self) -> None:
+        _positive("trainer", "total_training_steps", self.total_training_steps)
+        _positive("trainer", "save_interval", self.save_interval, allow_zero=True)
+        _positive("trainer", "keep_last_n_checkpoints", self.keep_last_n_checkpoints)
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size", "nproc_per_node"):
+            _positive("trainer", name, getattr(self, name))
+        _choice("trainer", "precision", self.precision, ("fp32", "bf16"))
+        _choice("trainer", "fp8", self.fp8, (None, "hybrid", "e4m3"))
+        _choice("trainer", "fp8_recipe", self.fp8_recipe, ("delayed", "tensorwise", "blockwise", "mxfp8"))
+        _choice("trainer", "recompute", self.recompute, (None, "selective", "full"))
+        _choice("trainer", "distributed_backend", self.distributed_backend, ("gloo", "nccl"))
+        if self.fp8 is not None and self.precision != "bf16":
+            raise ValueError("trainer.fp8 needs trainer.precision: bf16 (FP8 GEMMs with bf16 master compute)")
+
+
+@dataclass(kw_only=True)
+class Config:
+    run_dir: str = "runs/default"
+    """Output folder: resolved config, metrics.jsonl, TensorBoard, checkpoints, summary.json, logs."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+SECRET_KEYS = ("rollout.api_key", "rollout.admin_api_key")
+"""Dotted keys never written to disk or logs."""

@@ -1,0 +1,66 @@
+"""Held-out evaluation through the rollout servers: greedy accuracy, avg@k, pass@k, format validity."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from typing import Sequence
+
+from megatron_rl.data.dataset import PromptRow
+from megatron_rl.eval.metrics import avg_at_k, mean_pass_at_k
+
+logger = logging.getLogger(__name__)
+
+
+def evaluate(manager, rows: Sequence[PromptRow], *, n: int, temperature: float, top_p: float, seed: int,
+             max_new_tokens: int, tag: str = "eval", greedy: bool = True) -> dict:
+    """Evaluate the servers' current weights on `rows`.
+
+    Sampled: `n` responses a problem at (`temperature`, `top_p`) with seeds derived from `seed`
+    only (so every evaluation of a run sees the same random stream). Greedy: one response at
+    temperature 0.
+
+    Returns:
+        dict with `greedy_acc`, `avg@{n}`, `pass@{n}`, `format_valid` (share of sampled responses
+        whose verifier found an answer), `num_problems`, `wall_s`, and `by_level` (the same keys per
+        `extra_info.level` when rows carry one).
+    """
+    t0 = time.perf_counter()
+    sampling = {"temperature": temperature, "top_p": top_p}
+    results = manager.generate(rows, n=n, sampling_params=sampling, tag=f"{tag}-sample", seed_parts=(seed,),
+                               max_new_tokens=max_new_tokens)
+    rewards = manager.score(rows, results)
+    correct = [[bool(r.get("acc")) and not r.get("failed") for r in g] for g in rewards]
+    valid = [[r.get("pred") is not None for r in g] for g in rewards]
+    out = {
+        "num_problems": len(rows),
+        f"avg@{n}": avg_at_k(correct),
+        f"pass@{n}": mean_pass_at_k(correct, n),
+        "format_valid": avg_at_k(valid),
+    }
+    greedy_correct = None
+    if greedy:
+        g_results = manager.generate(rows, n=1, sampling_params={"temperature": 0.0}, tag=f"{tag}-greedy",
+                                     seed_parts=(seed,), max_new_tokens=max_new_tokens)
+        g_rewards = manager.score(rows, g_results)
+        greedy_correct = [bool(g[0].get("acc")) and not g[0].get("failed") for g in g_rewards]
+        out["greedy_acc"] = sum(greedy_correct) / len(rows)
+    levels = defaultdict(list)
+    for i, row in enumerate(rows):
+        levels[(row.extra_info or {}).get("level")].append(i)
+    if len(levels) > 1 or None not in levels:
+        by_level = {}
+        for level, idx in sorted(levels.items(), key=lambda kv: str(kv[0])):
+            rec = {
+                "num_problems": len(idx),
+                f"avg@{n}": avg_at_k([correct[i] for i in idx]),
+                f"pass@{n}": mean_pass_at_k([correct[i] for i in idx], n),
+                "format_valid": avg_at_k([valid[i] for i in idx]),
+            }
+            if greedy_correct is not None:
+                rec["greedy_acc"] = sum(greedy_correct[i] for i in idx) / len(idx)
+            by_level[str(level)] = rec
+        out["by_level"] = by_level
+    out["wall_s"] = time.perf_counter() - t0
+    return out

@@ -1,0 +1,403 @@
+"""The RL training loop: DESIGN.md "One step", read top to bottom in `run_training`.
+
+0 initial weight sync -> per step: 1 draw prompts, 2 rollout, 3 reward, 4 dynamic sampling,
+5 advantages (+DAA), 6 old log-probs and PPO updates, 7 weight sync, 8 metrics / eval / checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+import yaml
+
+from megatron_rl.config import Config, config_to_dict, save_config
+from megatron_rl.config.loader import environment_checks
+
+logger = logging.getLogger(__name__)
+
+
+def setup_logging(run_dir: Path, rank: int) -> None:
+    """Console + `<run_dir>/train.log` handlers with the rank in every line (entry point only)."""
+    fmt = logging.Formatter(f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    console = logging.StreamHandler()
+    console.setFormatter(fmt)
+    root.addHandler(console)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fh = logging.FileHandler(run_dir / ("train.log" if rank == 0 else f"train_rank{rank}.log"))
+    fh.setFormatter(fmt)
+    root.addHandler(fh)
+    for noisy in ("httpx", "urllib3", "megatron.core"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+class _Controller:
+    """Rank-0 side: servers, clients, rollout manager, weight sync sender, reward pool."""
+
+    def __init__(self, cfg: Config, tokenizer, stack: contextlib.ExitStack) -> None:
+        from megatron_rl.rewards.pool import RewardPool
+        from megatron_rl.rollout.client import RolloutClient
+        from megatron_rl.rollout.launcher import launch_rollout_server
+        from megatron_rl.rollout.manager import RolloutManager
+        from megatron_rl.weight_sync.sender import WeightSyncSender
+
+        r = cfg.rollout
+        urls = list(r.server_urls)
+        if not urls:
+            if r.backend != "embedded":
+                raise ValueError("rollout.server_urls is empty; only rollout.backend: embedded starts its own servers")
+            for i in range(r.num_servers):
+                extra = ["--max-batch-size", str(r.server_max_batch_size), "--random-seed", str(cfg.trainer.seed)]
+                if r.api_key:
+                    extra += ["--api-key", r.api_key]
+                if r.admin_api_key:
+                    extra += ["--admin-api-key", r.admin_api_key]
+                server = launch_rollout_server(
+                    cfg.model.path, log_path=str(Path(cfg.run_dir) / f"rollout_server_{i}.log"),
+                    extra_args=extra, startup_timeout_s=r.startup_timeout_s,
+                )
+                stack.callback(server.stop)
+                urls.append(server.url)
+        key = r.admin_api_key or r.api_key
+        self.clients = [RolloutClient(u, api_key=key, timeout_s=r.timeout_s) for u in urls]
+        self.reward_pool = stack.enter_context(RewardPool(cfg.reward.num_workers, cfg.reward.timeout_s))
+        ob = cfg.reward.overlong_buffer
+        self.manager = RolloutManager(
+            self.clients, tokenizer, self.reward_pool, reward_fn=cfg.reward.reward_fn,
+            max_prompt_length=cfg.data.max_prompt_length, max_response_length=cfg.data.max_response_length,
+            correct_score=cfg.reward.correct_score, incorrect_score=cfg.reward.incorrect_score,
+            overlong=(ob.enable, ob.len, ob.penalty_factor), seed=cfg.trainer.seed,
+            max_concurrency=r.max_concurrency,
+        )
+        stack.callback(self.manager.close)
+        ws = cfg.weight_sync
+        self.sender = WeightSyncSender(
+            self.clients, master_address=ws.master_address, master_port=ws.master_port, backend=ws.backend,
+            bucket_size_mib=ws.bucket_size_mib, timeout_s=ws.timeout_s,
+        )
+        self.sender.init_group()
+        stack.callback(self.sender.destroy)
+
+
+def _sampling_params(cfg: Config) -> dict:
+    p = {"temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p}
+    if cfg.rollout.top_k != -1:
+        p["top_k"] = cfg.rollout.top_k
+    return p
+
+
+def run_training(cfg: Config) -> dict:
+    """Train `cfg` end to end; returns the summary written to `<run_dir>/summary.json`.
+
+    Raises:
+        ValueError: bad data (file and row named), dynamic sampling that keeps nothing, config errors.
+        RolloutServerError / WeightSyncError: a rollout server that does not come up or a failed sync.
+    """
+    from transformers import AutoTokenizer
+
+    from megatron_rl.algorithms.advantages import compute_advantages
+    from megatron_rl.algorithms.daa import DifficultyTracker, apply_daa
+    from megatron_rl.algorithms.dynamic_sampling import collect_groups
+    from megatron_rl.checkpoint.save import save_checkpoint
+    from megatron_rl.data.dataset import PromptDataset, load_rows
+    from megatron_rl.eval.evaluate import evaluate
+    from megatron_rl.metrics.writer import MetricsWriter
+    from megatron_rl.models.builder import build_model, wrap_ddp_and_optimizer
+    from megatron_rl.models.hf_config import build_transformer_config, model_spec_from_hf
+    from megatron_rl.models.hf_weights import iter_hf_weights, load_hf_weights
+    from megatron_rl.parallel.cpu_compat import enable_cpu_compat
+    from megatron_rl.parallel.groups import destroy_parallel, initialize_parallel
+    from megatron_rl.trainer.batch import build_train_batch
+    from megatron_rl.trainer.policy import LossSettings, PolicyTrainer
+
+    t_start = time.perf_counter()
+    run_dir = Path(cfg.run_dir)
+    rank = int(os.environ.get("RANK", "0"))
+    setup_logging(run_dir, rank)
+    for desc, check in environment_checks(cfg):
+        check()
+        logger.info("environment check passed: %s", desc)
+    if cfg.trainer.num_threads:
+        torch.set_num_threads(cfg.trainer.num_threads)
+    enable_cpu_compat()
+    t = cfg.trainer
+    pgs = initialize_parallel(
+        tensor_model_parallel_size=t.tensor_model_parallel_size,
+        pipeline_model_parallel_size=t.pipeline_model_parallel_size,
+        context_parallel_size=t.context_parallel_size, backend=t.distributed_backend,
+        timeout_s=t.distributed_timeout_s, seed=t.seed,
+    )
+    if pgs.world_size != 1:
+        destroy_parallel()
+        raise NotImplementedError(
+            "multi-process training (TP/PP/DP > 1) is not wired into the loop yet; run with world size 1"
+        )
+    is_controller = rank == 0
+    if is_controller:
+        save_config(cfg, run_dir / "config.yaml")
+    torch.manual_seed(t.seed)
+
+    hf_config = json.loads((Path(cfg.model.path) / "config.json").read_text())
+    spec = model_spec_from_hf(hf_config, tensor_model_parallel_size=t.tensor_model_parallel_size,
+                              make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
+    tf_config = build_transformer_config(
+        hf_config, tensor_model_parallel_size=t.tensor_model_parallel_size,
+        pipeline_model_parallel_size=t.pipeline_model_parallel_size,
+        context_parallel_size=t.context_parallel_size, sequence_parallel=t.sequence_parallel,
+        params_dtype=torch.bfloat16 if t.precision == "bf16" else torch.float32, bf16=t.precision == "bf16",
+        fp8=t.fp8, fp8_recipe=t.fp8_recipe if t.fp8 else None, recompute=t.recompute,
+        deterministic_mode=cfg.rollout.deterministic,
+    )
+    model = build_model(hf_config, tf_config, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
+    load_hf_weights(model, cfg.model.path)
+    o = cfg.actor.optim
+    steps_per_rl_step = (cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size) * cfg.actor.ppo_epochs
+    ddp_model, optimizer, scheduler = wrap_ddp_and_optimizer(
+        model, tf_config, lr=o.lr, weight_decay=o.weight_decay, clip_grad=o.clip_grad,
+        adam_betas=(o.adam_beta1, o.adam_beta2), adam_eps=o.adam_eps,
+        use_distributed_optimizer=t.use_distributed_optimizer,
+        lr_warmup_steps=o.lr_warmup_steps * steps_per_rl_step,
+        total_steps=t.total_training_steps * steps_per_rl_step, lr_decay_style=o.lr_decay_style,
+    )
+    ref_model = None
+    if cfg.actor.use_kl_loss:
+        ref_model = build_model(hf_config, tf_config, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
+        load_hf_weights(ref_model, cfg.model.path)
+        ref_model.requires_grad_(False)
+        ref_model = [ref_model]
+    a = cfg.actor
+    trainer = PolicyTrainer(
+        ddp_model, optimizer, scheduler, vocab_size=spec.vocab_size, micro_batch_size=a.ppo_micro_batch_size,
+        tp_group=pgs.tp if t.tensor_model_parallel_size > 1 else None, ref_model=ref_model,
+        loss=LossSettings(
+            policy_loss=a.policy_loss, loss_agg_mode=a.loss_agg_mode,
+            loss_scale_factor=a.loss_scale_factor or (float(cfg.data.max_response_length)
+                                                      if a.loss_agg_mode == "seq-mean-token-sum-norm" else None),
+            clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
+            gspo_clip_low=a.gspo_clip_low, gspo_clip_high=a.gspo_clip_high, cispo_clip_low=a.cispo_clip_low,
+            cispo_clip_high=a.cispo_clip_high, tis_enable=a.tis.enable, tis_clip=a.tis.clip,
+            kl_coef=a.kl_loss_coef if a.use_kl_loss else 0.0, kl_type=a.kl_loss_type, entropy_coeff=a.entropy_coeff,
+        ),
+    )
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    train_rows = []
+    for f in cfg.data.train_files:
+        train_rows += load_rows(f, adapter=cfg.data.train_adapter)
+    if not train_rows:
+        raise ValueError("data.train_files holds no rows")
+    val_rows = []
+    for f in cfg.data.val_files:
+        val_rows += load_rows(f, adapter=cfg.data.val_adapter)
+    if cfg.eval.max_problems:
+        val_rows = val_rows[: cfg.eval.max_problems]
+    dataset = PromptDataset(train_rows, seed=t.seed, shuffle=cfg.data.shuffle)
+    daa = cfg.algorithm.daa
+    tracker = DifficultyTracker(a0=daa.prior_a, b0=daa.prior_b)
+    fg = cfg.algorithm.filter_groups
+    gen_batch_size = cfg.data.gen_batch_size or cfg.data.train_batch_size
+    eval_len = cfg.eval.max_response_length or cfg.data.max_response_length
+
+    summary: dict = {"run_dir": str(run_dir), "config": config_to_dict(cfg)}
+    with contextlib.ExitStack() as stack:
+        ctl = _Controller(cfg, tokenizer, stack)
+        writer = MetricsWriter(run_dir, tensorboard=t.tensorboard, wandb_project="megatron-rl" if t.wandb else None)
+        stack.callback(writer.close)
+
+        def push_weights(version: int) -> dict:
+            with torch.no_grad():
+                return ctl.sender.sync(iter_hf_weights(model, hf_config), weight_version=str(version))
+
+        def run_eval(tag: str) -> dict:
+            res = evaluate(ctl.manager, val_rows, n=cfg.eval.n, temperature=cfg.eval.temperature,
+                           top_p=cfg.eval.top_p, seed=cfg.eval.seed, max_new_tokens=eval_len, tag=tag)
+            logger.info("eval %s: %s", tag, {k: round(v, 4) for k, v in res.items() if isinstance(v, float)})
+            return res
+
+        # 0. initial sync: the servers sample only at the trainer's weight version.
+        weight_version = 0
+        sync_metrics = push_weights(weight_version)
+        if cfg.eval.before_train and val_rows:
+            summary["eval_before"] = run_eval("eval_before")
+            writer.write(0, {f"eval/{k}": v for k, v in summary["eval_before"].items() if isinstance(v, float)})
+
+        progress = None
+        if t.progress_bar:
+            from tqdm import tqdm
+
+            progress = tqdm(total=t.total_training_steps, desc="RL steps", unit="step", dynamic_ncols=True)
+            stack.callback(progress.close)
+        sampling = _sampling_params(cfg)
+        total_tokens = 0
+        for step in range(1, t.total_training_steps + 1):
+            t_step = time.perf_counter()
+            timings: dict = {"timing/generate_s": 0.0, "timing/reward_s": 0.0}
+            q_hats: dict[str, float] = {}
+            generated = {"tokens": 0, "responses": 0}
+
+            # 1-3. draw prompts, rollout, reward (one generation batch per call).
+            def generate_batch(batch_idx: int):
+                rows = dataset.next_batch(gen_batch_size)
+                groups, tm = ctl.manager.generate_groups(rows, n=cfg.rollout.n, sampling_params=sampling,
+                                                         step=step, gen_batch=batch_idx)
+                for k, v in tm.items():
+                    timings[k] += v
+                for g in groups:
+                    k_correct, g_valid = g.num_correct, g.num_valid
+                    generated["tokens"] += sum(len(s.response_ids) for s in g.samples)
+                    generated["responses"] += len(g.samples)
+                    if 1 <= k_correct <= g_valid - 1:
+                        q_hats[g.group_uid] = tracker.estimate(g.prompt_key, k_correct, g_valid, daa.difficulty)
+                    tracker.record(g.prompt_key, k_correct, g_valid)
+                return groups
+
+            def keep(group) -> bool:
+                values = group.metric_values(fg.metric)
+                return len(values) >= 2 and max(values) > min(values)
+
+            # 4. dynamic sampling (or keep every group of one batch).
+            kept, ds_stats = collect_groups(
+                generate_batch, train_batch_size=cfg.data.train_batch_size,
+                max_num_gen_batches=fg.max_num_gen_batches, on_exhausted=fg.on_exhausted,
+                ppo_mini_batch_size=a.ppo_mini_batch_size, dp_size=pgs.dp_size, enable=fg.enable, keep_fn=keep,
+            )
+            samples = [s for g in kept for s in g.samples]
+
+            # 5. advantages, then DAA on hard prompts' correct responses.
+            t_adv = time.perf_counter()
+            rewards = torch.tensor([s.score for s in samples], dtype=torch.float64)
+            valid = torch.tensor([not s.failed for s in samples], dtype=torch.bool)
+            uids = [s.group_uid for s in samples]
+            resp_mask = None
+            if cfg.algorithm.adv_estimator == "reinforce_plus_plus_baseline":
+                width = max(len(s.response_ids) for s in samples)
+                resp_mask = torch.zeros((len(samples), width), dtype=torch.bool)
+                for i, s in enumerate(samples):
+                    resp_mask[i, : len(s.response_ids)] = not s.failed
+            adv = compute_advantages(
+                cfg.algorithm.adv_estimator, rewards, uids, valid, response_mask=resp_mask,
+                grpo_std=cfg.algorithm.grpo_std, norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
+            )
+            daa_stats = {}
+            if daa.enable:
+                group_index = torch.tensor([i for i, g in enumerate(kept) for _ in g.samples], dtype=torch.long)
+                q = torch.tensor([q_hats.get(g.group_uid, 1.0) for g in kept], dtype=torch.float64)
+                eligible = torch.tensor([g.group_uid in q_hats for g in kept], dtype=torch.bool)
+                correct = torch.tensor([s.acc and not s.failed for s in samples], dtype=torch.bool)
+                adv, daa_stats = apply_daa(adv, correct, group_index, q, eligible, factor=daa.factor,
+                                           hard_threshold=daa.hard_threshold, max_factor=daa.max_factor,
+                                           gamma=daa.gamma)
+            trained = [not s.failed and not (a.mask_truncated and s.truncated) for s in samples]
+
+            # 6. old log-probs (same layout as the update), then PPO mini-batch updates.
+            batch = build_train_batch(
+                [s.prompt_ids for s in samples], [s.response_ids for s in samples],
+                advantages=adv.tolist(), rollout_logprobs=[s.rollout_logprobs for s in samples],
+                trained=trained, pad_id=pad_id,
+                pad_to_multiple_of=t.tensor_model_parallel_size if t.sequence_parallel else 1,
+            )
+            t_lp = time.perf_counter()
+            batch.old_logprobs = trainer.compute_logprobs(batch)
+            if ref_model is not None:
+                batch.ref_logprobs = trainer.compute_logprobs(batch, model=ref_model)
+            t_upd = time.perf_counter()
+            history = trainer.update(batch, mini_batch_sequences=a.ppo_mini_batch_size * cfg.rollout.n,
+                                     ppo_epochs=a.ppo_epochs)
+            t_sync = time.perf_counter()
+
+            # 7. weight sync: the servers move to the new version before the next rollout.
+            weight_version += 1
+            sync_metrics = push_weights(weight_version)
+            t_end = time.perf_counter()
+
+            # 8. metrics, eval, checkpoint.
+            m = _step_metrics(samples, kept, ds_stats, daa_stats, history, cfg)
+            with torch.no_grad():
+                diff = (batch.old_logprobs - batch.rollout_logprobs).abs()[batch.loss_mask]
+            m["train/rollout_logprob_abs_diff"] = float(diff.mean()) if diff.numel() else 0.0
+            total_tokens += generated["tokens"]
+            m.update(timings)
+            m.update({
+                "timing/advantage_s": t_lp - t_adv, "timing/old_logprob_s": t_upd - t_lp,
+                "timing/update_s": t_sync - t_upd, "timing/weight_sync_s": t_end - t_sync,
+                "timing/step_s": t_end - t_step,
+                "perf/generated_tokens": generated["tokens"], "perf/total_generated_tokens": total_tokens,
+                "perf/generate_tokens_per_s": generated["tokens"] / max(timings["timing/generate_s"], 1e-9),
+                "perf/train_tokens_per_s": int(batch.loss_mask.sum()) / max(t_sync - t_lp, 1e-9),
+                "weight_sync/version": weight_version,
+            })
+            m.update({k: v for k, v in sync_metrics.items() if isinstance(v, (int, float))})
+            if cfg.eval.interval and step % cfg.eval.interval == 0 and step != t.total_training_steps and val_rows:
+                ev = run_eval(f"eval_step{step}")
+                m.update({f"eval/{k}": v for k, v in ev.items() if isinstance(v, float)})
+            writer.write(step, m)
+            if progress is not None:
+                progress.update(1)
+                progress.set_postfix(acc=f"{m['train/acc']:.2f}", kept=m["train/kept_groups"],
+                                     len=f"{m['response_length/mean']:.0f}")
+            logger.info("step %d: acc %.3f score %.3f kept %d gen_batches %d loss %.4f grad_norm %.3f (%.1fs)",
+                        step, m["train/acc"], m["train/score"], m["train/kept_groups"], m["train/num_gen_batches"],
+                        m["train/loss"], m["train/grad_norm"], m["timing/step_s"])
+            if (t.save_interval and step % t.save_interval == 0) or (t.save_last and step == t.total_training_steps):
+                save_checkpoint(
+                    run_dir, step, model=ddp_model, optimizer=optimizer, scheduler=scheduler,
+                    run_state={"data": dataset.state_dict(), "difficulty": tracker.state_dict(),
+                               "weight_version": weight_version},
+                    config_yaml=yaml.safe_dump(config_to_dict(cfg), sort_keys=False),
+                    keep_last_n=t.keep_last_n_checkpoints, is_writer=is_controller,
+                )
+
+        if cfg.eval.after_train and val_rows:
+            summary["eval_after"] = run_eval("eval_after")
+            writer.write(t.total_training_steps,
+                         {f"eval/{k}": v for k, v in summary["eval_after"].items() if isinstance(v, float)})
+    summary["steps"] = t.total_training_steps
+    summary["wall_s"] = time.perf_counter() - t_start
+    summary["total_generated_tokens"] = total_tokens
+    if "eval_before" in summary and "eval_after" in summary:
+        n = cfg.eval.n
+        summary["delta_avg@%d" % n] = summary["eval_after"][f"avg@{n}"] - summary["eval_before"][f"avg@{n}"]
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    destroy_parallel()
+    logger.info("done in %.1fs; summary in %s", summary["wall_s"], run_dir / "summary.json")
+    return summary
+
+
+def _step_metrics(samples, kept, ds_stats: dict, daa_stats: dict, history: list[dict], cfg: Config) -> dict:
+    lengths = [len(s.response_ids) for s in samples]
+    n = max(len(samples), 1)
+    m = {
+        "train/score": sum(s.score for s in samples) / n,
+        "train/acc": sum(s.acc for s in samples) / n,
+        "train/format_valid": sum(s.format_valid for s in samples) / n,
+        "reward/failed": sum(s.failed for s in samples),
+        "reward/overlong_penalty_mean": sum(s.overlong_penalty for s in samples) / n,
+        "response_length/mean": sum(lengths) / n,
+        "response_length/max": max(lengths) if lengths else 0,
+        "response_length/clip_ratio": sum(s.truncated for s in samples) / n,
+        "train/num_gen_batches": ds_stats.get("num_gen_batches", 1),
+        "train/kept_groups": ds_stats.get("kept_groups", len(kept)),
+        "train/solve_none": ds_stats.get("solve_none", 0),
+        "train/solve_all": ds_stats.get("solve_all", 0),
+        "train/daa_amplified_frac": float(daa_stats.get("amplified_frac", 0.0)),
+        "train/daa_factor_mean": float(daa_stats.get("factor_mean", 1.0)),
+        "train/num_updates": len(history),
+    }
+    if history:
+        for key in history[0]:
+            vals = [h[key] for h in history if h.get(key) is not None and not (isinstance(h[key], float) and math.isnan(h[key]))]
+            m[key] = sum(vals) / len(vals) if vals else float("nan")
+    else:
+        m.update({"train/loss": float("nan"), "train/grad_norm": float("nan")})
+    return m

@@ -1,0 +1,223 @@
+"""Policy updates through megatron-core's pipeline schedule (DESIGN.md step 6, ALGORITHMS.md 5-6).
+
+Old log-probs are recomputed with the same model state, precision and micro-batch layout as the
+update, so the first mini-batch of a step has ratio exactly 1. The loss function hands
+megatron-core a numerator and an integer count per micro-batch (`calculate_per_token_loss=True`);
+megatron-core sums both over micro-batches and data-parallel ranks and divides in
+`finalize_model_grads`, which makes the normaliser of every aggregation mode global.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from functools import partial
+from typing import Optional
+
+import torch
+
+from megatron_rl.algorithms.aggregation import aggregate_loss
+from megatron_rl.algorithms.kl import kl_penalty, tis_weights
+from megatron_rl.algorithms.losses import POLICY_LOSSES
+from megatron_rl.trainer.batch import TrainBatch
+from megatron_rl.trainer.logprobs import forward_logits, token_logprobs_and_entropy
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class LossSettings:
+    """The actor options that shape the loss (a view of `ActorConfig`)."""
+
+    policy_loss: str
+    loss_agg_mode: str
+    loss_scale_factor: Optional[float]
+    clip_ratio_low: float
+    clip_ratio_high: float
+    clip_ratio_c: float
+    gspo_clip_low: float
+    gspo_clip_high: float
+    cispo_clip_low: Optional[float]
+    cispo_clip_high: float
+    tis_enable: bool
+    tis_clip: float
+    kl_coef: float
+    kl_type: str
+    entropy_coeff: float
+
+    def loss_kwargs(self) -> dict:
+        """Keyword arguments of the registered policy loss (no catch-all: a typo raises, case B08)."""
+        if self.policy_loss == "vanilla":
+            return dict(clip_ratio_low=self.clip_ratio_low, clip_ratio_high=self.clip_ratio_high,
+                        clip_ratio_c=self.clip_ratio_c)
+        if self.policy_loss == "gspo":
+            return dict(gspo_clip_low=self.gspo_clip_low, gspo_clip_high=self.gspo_clip_high)
+        if self.policy_loss == "cispo":
+            return dict(cispo_clip_high=self.cispo_clip_high, cispo_clip_low=self.cispo_clip_low)
+        raise ValueError(f"unknown actor.policy_loss {self.policy_loss!r}")
+
+
+_SUM_KEYS = ("tokens", "clipped", "dual_clipped", "approx_kl", "entropy", "tis_raw", "tis_used", "kl",
+             "loss_num", "loss_count")
+
+
+class PolicyTrainer:
+    """Runs log-prob passes and PPO mini-batch updates of a megatron-core GPTModel.
+
+    Args:
+        model: list of DDP-wrapped model chunks (megatron-core convention).
+        optimizer: megatron-core optimizer (`get_megatron_optimizer`).
+        scheduler: `OptimizerParamScheduler`.
+        vocab_size: unpadded vocabulary size (padded logits are masked out).
+        micro_batch_size: sequences per micro-batch.
+        loss: `LossSettings`.
+        tp_group: tensor-parallel group for the vocab-parallel log-probs (None at TP=1).
+        ref_model: frozen reference model chunks, only with a KL loss.
+    """
+
+    def __init__(self, model, optimizer, scheduler, *, vocab_size: int, micro_batch_size: int,
+                 loss: LossSettings, tp_group=None, ref_model=None) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.vocab_size = vocab_size
+        self.micro_batch_size = micro_batch_size
+        self.loss = loss
+        self.tp_group = tp_group
+        self.ref_model = ref_model
+        self._loss_fn = POLICY_LOSSES.get(loss.policy_loss)
+
+    # ---- forward-only passes -------------------------------------------------------------
+    def _schedule(self):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        return get_forward_backward_func()
+
+    def compute_logprobs(self, batch: TrainBatch, *, model=None) -> torch.Tensor:
+        """Per-token log-probs of `batch.labels` at every position: [N, S] float32 (no grad).
+
+        Uses the same micro-batch layout as `update`, so the recompute is bit-identical to the
+        first update's forward pass.
+        """
+        model = model or self.model
+        for m in model:
+            m.eval()
+        mbs = list(batch.micro_batches(self.micro_batch_size))
+
+        def forward_step(data_iterator, m):
+            mb = next(data_iterator)
+            logits = forward_logits(m, mb.input_ids, mb.position_ids)
+
+            def loss_func(output):
+                lp, _ = token_logprobs_and_entropy(output, mb.labels, vocab_size=self.vocab_size,
+                                                   tp_group=self.tp_group)
+                return torch.zeros((), dtype=torch.float32), torch.tensor(0, dtype=torch.int), {"logprobs": lp}
+
+            return logits, loss_func
+
+        with torch.no_grad():
+            out = self._schedule()(
+                forward_step_func=forward_step, data_iterator=iter(mbs), model=model,
+                num_microbatches=len(mbs), seq_length=batch.input_ids.shape[1],
+                micro_batch_size=self.micro_batch_size, forward_only=True,
+            )
+        for m in model:
+            m.train()
+        return torch.cat([o["logprobs"].float() for o in out], dim=0)
+
+    # ---- the update --------------------------------------------------------------------------
+    def _loss_func(self, mb: TrainBatch, output: torch.Tensor):
+        logprobs, entropy = token_logprobs_and_entropy(output, mb.labels, vocab_size=self.vocab_size,
+                                                       tp_group=self.tp_group)
+        mask = mb.loss_mask
+        adv = mb.advantages.unsqueeze(1).expand_as(logprobs)  # (B, S)
+        out = self._loss_fn(logprobs, mb.old_logprobs, adv, mask, **self.loss.loss_kwargs())
+        token_loss = out.token_loss
+        sums = {}
+        if self.loss.tis_enable:
+            w, stats = tis_weights(mb.old_logprobs, mb.rollout_logprobs, mask, clip=self.loss.tis_clip)
+            token_loss = token_loss * w
+            m = mask.float()
+            sums["tis_raw"] = (torch.exp(torch.clamp(mb.old_logprobs - mb.rollout_logprobs, -20, 20)) * m).sum()
+            sums["tis_used"] = (w * m).sum()
+        if self.loss.kl_coef > 0:
+            kl = kl_penalty(logprobs, mb.ref_logprobs, self.loss.kl_type)
+            kl = torch.where(mask, kl, torch.zeros_like(kl))
+            token_loss = token_loss + self.loss.kl_coef * kl
+            sums["kl"] = kl.detach().sum()
+        if self.loss.entropy_coeff:
+            token_loss = token_loss - self.loss.entropy_coeff * torch.where(mask, entropy, torch.zeros_like(entropy))
+        num, count = aggregate_loss(token_loss, mask, self.loss.loss_agg_mode,
+                                    loss_scale_factor=self.loss.loss_scale_factor)
+        m = mask.float()
+        with torch.no_grad():
+            sums.update(
+                tokens=m.sum(),
+                clipped=(out.is_clipped.float() * m).sum(),
+                dual_clipped=(out.is_dual_clipped.float() * m).sum(),
+                approx_kl=(torch.where(mask, out.approx_kl, torch.zeros_like(out.approx_kl))).sum(),
+                entropy=(torch.where(mask, entropy, torch.zeros_like(entropy))).sum(),
+                loss_num=num.detach(),
+                loss_count=count.detach().float(),
+            )
+        return num, count.to(torch.int), {k: v.detach().float() for k, v in sums.items()}
+
+    def update(self, batch: TrainBatch, *, mini_batch_sequences: int, ppo_epochs: int = 1) -> list[dict]:
+        """PPO updates over `batch` (old_logprobs set): one optimizer step per mini-batch.
+
+        Args:
+            batch: the step's sequences, grouped so each mini-batch holds whole groups.
+            mini_batch_sequences: sequences per optimizer step (ppo_mini_batch_size x rollout.n).
+            ppo_epochs: passes over the mini-batches.
+
+        Returns:
+            One metrics dict per optimizer step (loss, grad_norm, pg_clipfrac, ...).
+        """
+        assert batch.old_logprobs is not None, "compute old_logprobs before the update"
+        schedule = self._schedule()
+        history = []
+        for _ in range(ppo_epochs):
+            for start in range(0, len(batch), mini_batch_sequences):
+                mini = batch.slice(start, min(start + mini_batch_sequences, len(batch)))
+                if not bool(mini.loss_mask.any()):
+                    logger.warning("mini-batch at sequence %d has no trained token; skipped", start)
+                    continue
+                mbs = list(mini.micro_batches(self.micro_batch_size))
+                for m in self.model:
+                    m.zero_grad_buffer()
+                self.optimizer.zero_grad()
+
+                def forward_step(data_iterator, m):
+                    mb = next(data_iterator)
+                    return forward_logits(m, mb.input_ids, mb.position_ids), partial(self._loss_func, mb)
+
+                out = schedule(
+                    forward_step_func=forward_step, data_iterator=iter(mbs), model=self.model,
+                    num_microbatches=len(mbs), seq_length=mini.input_ids.shape[1],
+                    micro_batch_size=self.micro_batch_size, forward_only=False,
+                )
+                ok, grad_norm, _ = self.optimizer.step()
+                if ok:
+                    self.scheduler.step(increment=1)
+                sums = {k: 0.0 for k in _SUM_KEYS}
+                for o in out:
+                    for k, v in o.items():
+                        sums[k] = sums.get(k, 0.0) + float(v)
+                tokens = max(sums["tokens"], 1.0)
+                rec = {
+                    "train/loss": sums["loss_num"] / max(sums["loss_count"], 1.0),
+                    "train/grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                    "train/pg_clipfrac": sums["clipped"] / tokens,
+                    "train/pg_clipfrac_lower": sums["dual_clipped"] / tokens,
+                    "train/ppo_kl": sums["approx_kl"] / tokens,
+                    "train/entropy": sums["entropy"] / tokens,
+                    "train/lr": self.optimizer.param_groups[0]["lr"],
+                    "train/update_skipped": float(not ok),
+                }
+                if self.loss.tis_enable:
+                    rec["train/tis_raw_ratio_mean"] = sums["tis_raw"] / tokens
+                    rec["train/tis_weight_mean"] = sums["tis_used"] / tokens
+                if self.loss.kl_coef > 0:
+                    rec["train/kl_loss"] = sums["kl"] / tokens
+                history.append(rec)
+        return history

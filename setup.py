@@ -1,0 +1,34 @@
+"""megatron-rl: RL post-training (GRPO, DAPO, DA3PO) on megatron-core with SGLang rollout servers."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-rl",
+    version="0.1.0",
+    description="RL post-training (GRPO, DAPO, DA3PO) on megatron-core with SGLang-API rollout servers",
+    packages=find_packages(include=["megatron_rl", "megatron_rl.*"]),
+    python_requires=">=3.12",
+    install_requires=[
+        "torch==2.14.1",
+        "megatron-core==0.19.2",
+        "transformers==5.24.0",
+        "tokenizers==0.23.3",
+        "safetensors==0.8.0",
+        "math-verify==0.9.0",
+        "pyyaml==6.0.4",
+        "tensorboard==2.21.0",
+        "psutil==7.2.2",
+        "pyarrow==26.0.1",
+        "requests==2.34.2",
+        "fastapi>=0.115",
+        "uvicorn>=0.30",
+        "pydantic>=2.7",
+        "tqdm==4.70.1",
+    ],
+    extras_require={
+        "test": ["pytest==9.2.0", "httpx"],
+        "gpu": ["transformer-engine[pytorch]", "nvidia-ml-py"],
+        "wandb": ["wandb"],
+    },
+    entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},
+)
