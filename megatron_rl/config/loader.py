@@ -132,6 +132,11 @@ def _build(cls: type, tree: dict, path: str) -> Any:
             continue
         if isinstance(value, int) and not isinstance(value, bool) and _type_matches(tp, 1.0) and not _type_matches(tp, 1):
             value = float(value)
+        if isinstance(value, str) and _type_matches(tp, 1.0) and not _type_matches(tp, ""):
+            try:  # YAML 1.1 reads "3e-4" (no dot) as a string
+                value = float(value)
+            except ValueError:
+                pass
         if not _type_matches(tp, value):
             raise ValueError(f"config key {full!r}: {value!r} is not of type {getattr(tp, '__name__', tp)}")
         kwargs[key] = value

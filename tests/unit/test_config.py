@@ -1,0 +1,123 @@
+"""Config schema, YAML recipes, overrides, verl aliases and validation errors."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_rl.config import config_to_dict, load_config, save_config
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE = ["model.path=/models/x"]
+
+
+def test_overrides_and_types():
+    cfg = load_config(None, BASE + ["rollout.n=4", "actor.optim.lr=3e-4", "algorithm.daa.enable=true",
+                                    "data.val_files=[a.jsonl, b.jsonl]", "run_dir=/tmp/r1"])
+    assert cfg.rollout.n == 4
+    assert cfg.actor.optim.lr == pytest.approx(3e-4)
+    assert cfg.algorithm.daa.enable is True
+    assert cfg.data.val_files == [str(Path.cwd() / "a.jsonl"), str(Path.cwd() / "b.jsonl")]
+    assert cfg.run_dir == "/tmp/r1"
+    # an int where a float is expected is accepted and converted
+    cfg = load_config(None, BASE + ["actor.clip_ratio_high=1"])
+    assert isinstance(cfg.actor.clip_ratio_high, float)
+
+
+def test_verl_aliases():
+    cfg = load_config(None, BASE + ["actor_rollout_ref.actor.clip_ratio_high=0.28",
+                                    "reward_model.overlong_buffer.len=8",
+                                    "actor_rollout_ref.rollout.n=16",
+                                    "actor_rollout_ref.actor.optim.lr=2e-6"])
+    assert cfg.actor.clip_ratio_high == pytest.approx(0.28)
+    assert cfg.reward.overlong_buffer.len == 8
+    assert cfg.rollout.n == 16
+    assert cfg.actor.optim.lr == pytest.approx(2e-6)
+
+
+def test_unknown_key_names_nearest():
+    with pytest.raises(ValueError, match=r"unknown config key 'actor.clip_ratio_hihg'.*'actor.clip_ratio_high'"):
+        load_config(None, BASE + ["actor.clip_ratio_hihg=0.3"])
+    with pytest.raises(ValueError, match="unknown config key 'rolout'"):
+        load_config(None, BASE + ["rolout.n=3"])
+
+
+def test_enum_lists_allowed_values():
+    with pytest.raises(ValueError, match=r"actor.loss_agg_mode.*'token-mean', 'seq-mean-token-mean'"):
+        load_config(None, BASE + ["actor.loss_agg_mode=mean"])
+    with pytest.raises(ValueError, match=r"algorithm.daa.difficulty"):
+        load_config(None, BASE + ["algorithm.daa.difficulty=magic"])
+
+
+def test_wrong_type():
+    with pytest.raises(ValueError, match=r"rollout.n.*not of type int"):
+        load_config(None, BASE + ["rollout.n=abc"])
+
+
+def test_cross_section_checks():
+    # B11 run 3: filtering with one sample a prompt can never fill a batch
+    with pytest.raises(ValueError, match="filter_groups"):
+        load_config(None, BASE + ["rollout.n=1", "algorithm.adv_estimator=reinforce_plus_plus_baseline",
+                                  "algorithm.filter_groups.enable=true"])
+    with pytest.raises(ValueError, match=r"rollout.n \(1\) must be >= 2"):
+        load_config(None, BASE + ["rollout.n=1"])
+    # B14 (b): a buffer longer than the maximum response length is a config error
+    with pytest.raises(ValueError, match="overlong_buffer.len"):
+        load_config(None, BASE + ["data.max_response_length=4096", "reward.overlong_buffer.enable=true",
+                                  "reward.overlong_buffer.len=5000"])
+    # B08: clip_ratio_c must be > 1
+    with pytest.raises(ValueError, match="clip_ratio_c"):
+        load_config(None, BASE + ["actor.clip_ratio_c=1.0"])
+    with pytest.raises(ValueError, match="daa.enable needs a group-relative"):
+        load_config(None, BASE + ["algorithm.daa.enable=true", "algorithm.adv_estimator=reinforce_plus_plus_baseline"])
+    with pytest.raises(ValueError, match="gspo"):
+        load_config(None, BASE + ["actor.policy_loss=gspo"])
+    with pytest.raises(ValueError, match="multiple of actor.ppo_mini_batch_size"):
+        load_config(None, BASE + ["data.train_batch_size=6", "actor.ppo_mini_batch_size=4"])
+    with pytest.raises(ValueError, match="fp8"):
+        load_config(None, BASE + ["trainer.fp8=hybrid"])
+
+
+def test_secrets_never_saved(tmp_path):
+    cfg = load_config(None, BASE + ["rollout.api_key=sk-secret", "rollout.admin_api_key=adm-secret"])
+    save_config(cfg, tmp_path / "config.yaml")
+    text = (tmp_path / "config.yaml").read_text()
+    assert "sk-secret" not in text and "adm-secret" not in text
+    assert yaml.safe_load(text)["rollout"]["api_key"] == "***"
+    assert config_to_dict(cfg, redact=False)["rollout"]["api_key"] == "sk-secret"
+
+
+def test_recipe_paths_resolve_against_recipe(tmp_path):
+    (tmp_path / "r.yaml").write_text("model:\n  path: m\ndata:\n  train_files: [d/train.jsonl]\n")
+    cfg = load_config(tmp_path / "r.yaml")
+    assert cfg.model.path == str(tmp_path / "m")
+    assert cfg.data.train_files == [str(tmp_path / "d" / "train.jsonl")]
+
+
+@pytest.mark.parametrize("recipe", ["grpo", "dapo", "da3po"])
+def test_32b_recipes_dry_run(recipe):
+    out = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", "--config",
+                          str(ROOT / "examples" / "qwen2.5-32b" / f"{recipe}.yaml"), "--dry-run"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "# static checks: passed" in out.stdout
+    assert "deferred to launch: Transformer Engine" in out.stdout
+    resolved = yaml.safe_load(out.stdout)
+    assert resolved["rollout"]["n"] == 16
+    assert resolved["actor"]["optim"]["lr"] == pytest.approx(1e-6)
+    if recipe in ("dapo", "da3po"):
+        assert resolved["data"]["gen_batch_size"] == 1536
+        assert resolved["actor"]["clip_ratio_high"] == pytest.approx(0.28)
+        assert resolved["reward"]["overlong_buffer"] == {"enable": True, "len": 4096, "penalty_factor": 1.0}
+        assert resolved["algorithm"]["filter_groups"]["enable"] is True
+    assert resolved["algorithm"]["daa"]["enable"] is (recipe == "da3po")
+
+
+def test_dry_run_bad_key_exits_2():
+    out = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", "--config",
+                          str(ROOT / "examples" / "qwen2.5-32b" / "dapo.yaml"), "--dry-run", "actor.bogus=1"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "unknown config key 'actor.bogus'" in out.stderr
