@@ -130,7 +130,8 @@ def _build(cls: type, tree: dict, path: str) -> Any:
                 raise ValueError(f"config key {full!r} is a section; got {value!r}")
             kwargs[key] = _build(tp, value, full + ".")
             continue
-        if isinstance(value, int) and not isinstance(value, bool) and _type_matches(tp, 1.0) and not _type_matches(tp, 1):
+        wants_int = tp is int or int in typing.get_args(tp)
+        if isinstance(value, int) and not isinstance(value, bool) and _type_matches(tp, 1.5) and not wants_int:
             value = float(value)
         if isinstance(value, str) and _type_matches(tp, 1.0) and not _type_matches(tp, ""):
             try:  # YAML 1.1 reads "3e-4" (no dot) as a string
