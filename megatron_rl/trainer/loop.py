@@ -271,6 +271,7 @@ def run_training(cfg: Config) -> dict:
                 generate_batch, train_batch_size=cfg.data.train_batch_size,
                 max_num_gen_batches=fg.max_num_gen_batches, on_exhausted=fg.on_exhausted,
                 ppo_mini_batch_size=a.ppo_mini_batch_size, dp_size=pgs.dp_size, enable=fg.enable, keep_fn=keep,
+                solve_rate_fn=lambda g: g.num_correct / max(g.num_valid, 1),
             )
             samples = [s for g in kept for s in g.samples]
 

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Set up megatron-rl from nothing: a Python 3.12 virtual environment in .venv with the package
+# and its test dependencies. Idempotent: a second run only checks what is installed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+find_python() {
+  if [ -n "${PYTHON:-}" ]; then echo "$PYTHON"; return; fi
+  if python3.12 -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then echo python3.12; return; fi
+  if command -v pyenv >/dev/null 2>&1; then
+    local v
+    v=$(pyenv versions --bare 2>/dev/null | grep -E '^3\.12(\.[0-9]+)?$' | sort -V | tail -1 || true)
+    if [ -n "$v" ]; then echo "env PYENV_VERSION=$v python3.12"; return; fi
+  fi
+  echo "setup.sh: Python 3.12 not found (megatron-core 0.19 needs >= 3.12); set PYTHON=/path/to/python3.12" >&2
+  exit 1
+}
+
+if [ ! -x .venv/bin/python ]; then
+  PY=$(find_python)
+  $PY -m venv .venv
+  .venv/bin/python -m pip install -q --upgrade pip
+fi
+STAMP=.venv/.megatron-rl-installed
+if [ ! -f "$STAMP" ] || [ setup.py -nt "$STAMP" ]; then
+  .venv/bin/python -m pip install -q -e ".[test]"
+  touch "$STAMP"
+fi
+.venv/bin/python -c "import megatron.core, torch, transformers; print(f'megatron-rl env ready: torch {torch.__version__}, megatron-core {megatron.core.__version__}, transformers {transformers.__version__}')"

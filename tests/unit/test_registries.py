@@ -1,0 +1,33 @@
+"""Pin the exact registered names so a new variant shows up in review."""
+
+from megatron_rl.algorithms.advantages import ADV_ESTIMATORS
+from megatron_rl.algorithms.aggregation import LOSS_AGG_MODES
+from megatron_rl.algorithms.losses import POLICY_LOSSES
+from megatron_rl.rewards.registry import REWARD_FNS
+
+
+def test_exact_registry_names():
+    assert ADV_ESTIMATORS.names() == ["grpo", "reinforce_plus_plus_baseline", "rloo"]
+    assert POLICY_LOSSES.names() == ["cispo", "gspo", "vanilla"]
+    assert LOSS_AGG_MODES.names() == [
+        "seq-mean-token-mean",
+        "seq-mean-token-sum",
+        "seq-mean-token-sum-norm",
+        "token-mean",
+    ]
+    assert REWARD_FNS.names() == ["dapo_math", "math_verify"]
+
+
+def test_algorithms_import_no_heavy_frameworks():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, megatron_rl.algorithms.advantages, megatron_rl.algorithms.daa, "
+        "megatron_rl.algorithms.losses, megatron_rl.algorithms.aggregation, "
+        "megatron_rl.algorithms.dynamic_sampling, megatron_rl.algorithms.reward_shaping, "
+        "megatron_rl.algorithms.kl\n"
+        "bad = [m for m in ('megatron', 'transformers', 'sglang') if m in sys.modules]\n"
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
