@@ -113,7 +113,7 @@ def run_training(cfg: Config) -> dict:
     from megatron_rl.eval.evaluate import evaluate
     from megatron_rl.metrics.writer import MetricsWriter
     from megatron_rl.models.builder import build_model, wrap_ddp_and_optimizer
-    from megatron_rl.models.hf_config import build_transformer_config, model_spec_from_hf
+    from megatron_rl.models.hf_config import build_model_spec, build_transformer_config
     from megatron_rl.models.hf_weights import iter_hf_weights, load_hf_weights
     from megatron_rl.parallel.cpu_compat import enable_cpu_compat
     from megatron_rl.parallel.groups import destroy_parallel, initialize_parallel
@@ -148,7 +148,7 @@ def run_training(cfg: Config) -> dict:
     torch.manual_seed(t.seed)
 
     hf_config = json.loads((Path(cfg.model.path) / "config.json").read_text())
-    spec = model_spec_from_hf(hf_config, tensor_model_parallel_size=t.tensor_model_parallel_size,
+    spec = build_model_spec(hf_config, tensor_model_parallel_size=t.tensor_model_parallel_size,
                               make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
     tf_config = build_transformer_config(
         hf_config, tensor_model_parallel_size=t.tensor_model_parallel_size,
@@ -156,19 +156,20 @@ def run_training(cfg: Config) -> dict:
         context_parallel_size=t.context_parallel_size, sequence_parallel=t.sequence_parallel,
         params_dtype=torch.bfloat16 if t.precision == "bf16" else torch.float32, bf16=t.precision == "bf16",
         fp8=t.fp8, fp8_recipe=t.fp8_recipe if t.fp8 else None, recompute=t.recompute,
-        deterministic_mode=cfg.rollout.deterministic,
     )
     model = build_model(hf_config, tf_config, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
     load_hf_weights(model, cfg.model.path)
     o = cfg.actor.optim
     steps_per_rl_step = (cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size) * cfg.actor.ppo_epochs
-    ddp_model, optimizer, scheduler = wrap_ddp_and_optimizer(
+    tm = wrap_ddp_and_optimizer(
         model, tf_config, lr=o.lr, weight_decay=o.weight_decay, clip_grad=o.clip_grad,
         adam_betas=(o.adam_beta1, o.adam_beta2), adam_eps=o.adam_eps,
         use_distributed_optimizer=t.use_distributed_optimizer,
         lr_warmup_steps=o.lr_warmup_steps * steps_per_rl_step,
-        total_steps=t.total_training_steps * steps_per_rl_step, lr_decay_style=o.lr_decay_style,
+        lr_decay_steps=max(t.total_training_steps * steps_per_rl_step, 1), lr_decay_style=o.lr_decay_style,
+        pg_collection=pgs.pg_collection,
     )
+    ddp_model, optimizer, scheduler = tm.model, tm.optimizer, tm.scheduler
     ref_model = None
     if cfg.actor.use_kl_loss:
         ref_model = build_model(hf_config, tf_config, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)

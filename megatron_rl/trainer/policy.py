@@ -106,7 +106,7 @@ class PolicyTrainer:
 
         def forward_step(data_iterator, m):
             mb = next(data_iterator)
-            logits = forward_logits(m, mb.input_ids, mb.position_ids)
+            logits = forward_logits(m, mb.input_ids, position_ids=mb.position_ids)
 
             def loss_func(output):
                 lp, _ = token_logprobs_and_entropy(output, mb.labels, vocab_size=self.vocab_size,
@@ -189,7 +189,7 @@ class PolicyTrainer:
 
                 def forward_step(data_iterator, m):
                     mb = next(data_iterator)
-                    return forward_logits(m, mb.input_ids, mb.position_ids), partial(self._loss_func, mb)
+                    return forward_logits(m, mb.input_ids, position_ids=mb.position_ids), partial(self._loss_func, mb)
 
                 out = schedule(
                     forward_step_func=forward_step, data_iterator=iter(mbs), model=self.model,

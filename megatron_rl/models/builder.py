@@ -1,0 +1,244 @@
+"""Build the megatron-core GPTModel for an HF architecture and wrap it for training.
+
+:func:`build_model` picks the layer spec: Transformer Engine's when TE imports and CUDA is
+present, megatron-core's local spec otherwise (CPU, CI). :func:`wrap_ddp_and_optimizer` wraps
+the model in megatron-core's DistributedDataParallel and builds the optimizer and LR scheduler,
+wiring ``finalize_model_grads`` and ``no_sync`` into the config (without them DP ranks diverge).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import logging
+from typing import Any, Mapping
+
+import torch
+
+from megatron_rl.models.hf_config import build_model_spec
+
+logger = logging.getLogger(__name__)
+
+
+def transformer_engine_usable() -> bool:
+    """True when Transformer Engine is importable and a CUDA device is present."""
+    return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+
+
+def build_layer_spec(hf_config: Mapping[str, Any], *, use_te: bool | None = None):
+    """Layer spec (``ModuleSpec``) for the architecture: TE when usable (or forced), else local.
+
+    Raises:
+        ValueError: ``use_te=True`` but Transformer Engine is not usable here.
+    """
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    spec = build_model_spec(hf_config)
+    if use_te is None:
+        use_te = transformer_engine_usable()
+    if use_te:
+        if not transformer_engine_usable():
+            raise ValueError("use_te=True needs Transformer Engine and a CUDA device")
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_layernorm)
+    return get_gpt_layer_local_spec(qk_layernorm=spec.qk_layernorm, normalization="RMSNorm")
+
+
+def build_model(
+    hf_config: Mapping[str, Any],
+    tf_config,
+    *,
+    pre_process: bool = True,
+    post_process: bool = True,
+    make_vocab_size_divisible_by: int = 128,
+    use_te: bool | None = None,
+):
+    """Build a megatron-core ``GPTModel`` (one pipeline stage) for an HF config.
+
+    The output layer keeps its vocabulary shard (``parallel_output=True``): the model returns
+    logits ``[B, S, padded_V / tp]`` (see ``megatron_rl.trainer.logprobs.forward_logits``).
+    Weights are initialised randomly; load HF weights with ``models.hf_weights.load_hf_weights``.
+
+    Args:
+        hf_config: parsed HF config.json.
+        tf_config: the ``TransformerConfig`` from ``build_transformer_config`` (same HF config).
+        pre_process: this stage holds the embedding (first PP stage).
+        post_process: this stage holds the final norm and output layer (last PP stage).
+        make_vocab_size_divisible_by: vocabulary padding multiple (times TP).
+        use_te: force (True) or forbid (False) the Transformer Engine spec; None picks TE when
+            it is importable and CUDA is present.
+
+    Returns:
+        ``megatron.core.models.gpt.GPTModel`` on the current device (CPU without CUDA).
+
+    Raises:
+        ValueError: unsupported HF config, or ``use_te=True`` without TE/CUDA.
+    """
+    from megatron.core.models.gpt import GPTModel
+
+    spec = build_model_spec(
+        hf_config,
+        tensor_model_parallel_size=tf_config.tensor_model_parallel_size,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+    )
+    layer_spec = build_layer_spec(hf_config, use_te=use_te)
+    model = GPTModel(
+        config=tf_config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=spec.padded_vocab_size,
+        max_sequence_length=spec.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=spec.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=spec.rotary_base,
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    logger.info(
+        "built GPTModel %s: %d params on this rank, vocab %d (padded %d), tied=%s",
+        spec.model_type,
+        sum(p.numel() for p in model.parameters()),
+        spec.vocab_size,
+        spec.padded_vocab_size,
+        spec.tie_word_embeddings,
+    )
+    return model
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainingModel:
+    """Model chunks wrapped for training, with their optimizer and LR/WD scheduler."""
+
+    model: list
+    """DDP-wrapped model chunks (one per virtual pipeline stage; one without VPP)."""
+    optimizer: Any
+    """megatron-core ``MegatronOptimizer``."""
+    scheduler: Any
+    """megatron-core ``OptimizerParamScheduler`` (call ``step(increment=1)`` per update)."""
+
+
+def wrap_ddp_and_optimizer(
+    model,
+    tf_config,
+    *,
+    lr: float,
+    weight_decay: float = 0.0,
+    clip_grad: float = 1.0,
+    adam_betas: tuple[float, float] = (0.9, 0.999),
+    adam_eps: float = 1e-8,
+    use_distributed_optimizer: bool = False,
+    min_lr: float | None = None,
+    lr_warmup_steps: int = 0,
+    lr_decay_steps: int = 1,
+    lr_decay_style: str = "constant",
+    grad_reduce_in_fp32: bool = True,
+    overlap_grad_reduce: bool = False,
+    bucket_size: int | None = None,
+    pg_collection=None,
+) -> TrainingModel:
+    """Wrap model chunk(s) in megatron DDP and build the optimizer and scheduler.
+
+    Sets ``tf_config.finalize_model_grads_func = finalize_model_grads`` and
+    ``tf_config.no_sync_func = ddp.no_sync`` (a list of them with several chunks): megatron's
+    forward-backward schedules only reduce data-parallel gradients through these hooks.
+
+    Args:
+        model: a ``GPTModel`` or a list of chunks (virtual pipeline stages).
+        tf_config: the ``TransformerConfig`` the model was built with (mutated as above).
+        lr: peak learning rate.
+        weight_decay: decoupled weight decay (AdamW), constant.
+        clip_grad: global gradient-norm clip; 0 disables.
+        adam_betas, adam_eps: Adam hyper-parameters.
+        use_distributed_optimizer: shard optimizer state over data-parallel ranks (ZeRO-1).
+        min_lr: floor of the decay (default: lr).
+        lr_warmup_steps, lr_decay_steps, lr_decay_style: scheduler ("constant", "linear",
+            "cosine", ...), in optimizer steps.
+        grad_reduce_in_fp32: reduce gradients in fp32 (bf16 runs).
+        overlap_grad_reduce: overlap DP gradient reduction with backward.
+        bucket_size: DDP bucket size in elements (None: megatron's default).
+        pg_collection: megatron ``ProcessGroupCollection`` (``ProcessGroups.pg_collection``);
+            None uses megatron's global groups.
+
+    Returns:
+        :class:`TrainingModel`.
+
+    Raises:
+        ValueError: a non-positive lr, negative weight decay / clip, or lr_decay_steps < 1.
+    """
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    if not lr > 0:
+        raise ValueError(f"lr must be > 0, got {lr!r}")
+    if weight_decay < 0 or clip_grad < 0:
+        raise ValueError(f"weight_decay and clip_grad must be >= 0, got {weight_decay!r}, {clip_grad!r}")
+    if lr_decay_steps < 1:
+        raise ValueError(f"lr_decay_steps must be >= 1, got {lr_decay_steps!r}")
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=grad_reduce_in_fp32,
+        overlap_grad_reduce=overlap_grad_reduce,
+        use_distributed_optimizer=use_distributed_optimizer,
+        bucket_size=bucket_size,
+    )
+    ddp_kwargs = {} if pg_collection is None else {"pg_collection": pg_collection}
+    wrapped = [
+        DistributedDataParallel(
+            config=tf_config,
+            ddp_config=ddp_config,
+            module=chunk,
+            # Bucketing only pays off for the first chunk with virtual pipelining (as Megatron-LM).
+            disable_bucketing=index > 0,
+            **ddp_kwargs,
+        )
+        for index, chunk in enumerate(chunks)
+    ]
+    for chunk in wrapped:
+        # Weights are identical on all DP ranks only after this broadcast (random init differs).
+        chunk.broadcast_params()
+
+    tf_config.finalize_model_grads_func = finalize_model_grads
+    no_sync = [chunk.no_sync for chunk in wrapped]
+    tf_config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=lr,
+        min_lr=lr if min_lr is None else min_lr,
+        weight_decay=weight_decay,
+        adam_beta1=adam_betas[0],
+        adam_beta2=adam_betas[1],
+        adam_eps=adam_eps,
+        clip_grad=clip_grad,
+        bf16=tf_config.bf16,
+        fp16=tf_config.fp16,
+        params_dtype=tf_config.params_dtype,
+        use_distributed_optimizer=use_distributed_optimizer,
+    )
+    opt_kwargs = {} if pg_collection is None else {"pg_collection": pg_collection}
+    optimizer = get_megatron_optimizer(opt_config, wrapped, **opt_kwargs)
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if lr_warmup_steps > 0 else lr,
+        max_lr=lr,
+        min_lr=opt_config.min_lr,
+        lr_warmup_steps=lr_warmup_steps,
+        lr_decay_steps=max(lr_decay_steps, lr_warmup_steps + 1),
+        lr_decay_style=lr_decay_style,
+        start_wd=weight_decay,
+        end_wd=weight_decay,
+        wd_incr_steps=1,
+        wd_incr_style="constant",
+    )
+    return TrainingModel(model=wrapped, optimizer=optimizer, scheduler=scheduler)

@@ -1,0 +1,270 @@
+"""Hugging Face ``config.json`` -> megatron-core ``TransformerConfig`` (the one place building it).
+
+Supported ``model_type``: ``qwen2`` (Qwen2 / Qwen2.5: GQA, q/k/v bias, RMSNorm, SwiGLU, RoPE),
+``qwen3`` (as qwen2 without q/k/v bias, with per-head q/k RMSNorm and an explicit ``head_dim``)
+and ``llama`` (no bias, default RoPE only). GPTModel takes the rotary base, the vocabulary and
+the embedding tying itself, so those come back separately in :class:`ModelSpec`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Mapping
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+_RECOMPUTE_CHOICES = (None, "full", "selective")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """Model facts GPTModel needs besides ``TransformerConfig``, read from an HF config."""
+
+    model_type: str
+    """HF ``model_type`` (one of SUPPORTED_MODEL_TYPES)."""
+    vocab_size: int
+    """Vocabulary size of the tokenizer / HF embedding rows (unpadded)."""
+    padded_vocab_size: int
+    """vocab_size rounded up to a multiple of make_vocab_size_divisible_by x TP (megatron rows)."""
+    tie_word_embeddings: bool
+    """Whether the output layer shares the input embedding (share_embeddings_and_output_weights)."""
+    max_position_embeddings: int
+    """Longest sequence the model was trained for, tokens."""
+    rotary_base: float
+    """RoPE base (HF ``rope_theta``)."""
+    qk_layernorm: bool
+    """Per-head RMSNorm on queries and keys (Qwen3)."""
+
+
+def _require(hf_config: Mapping[str, Any], key: str) -> Any:
+    if key not in hf_config or hf_config[key] is None:
+        raise ValueError(
+            f"HF config (model_type={hf_config.get('model_type')!r}) is missing required key {key!r}"
+        )
+    return hf_config[key]
+
+
+def _model_type(hf_config: Mapping[str, Any]) -> str:
+    model_type = _require(hf_config, "model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"unsupported HF config key 'model_type'={model_type!r}; supported: {SUPPORTED_MODEL_TYPES}"
+        )
+    return model_type
+
+
+def _rope_theta(hf_config: Mapping[str, Any]) -> float:
+    # transformers >= 5 moves rope_theta into rope_parameters; accept both layouts.
+    rope_parameters = hf_config.get("rope_parameters") or {}
+    rope_scaling = hf_config.get("rope_scaling") or {}
+    for scaling in (rope_scaling, rope_parameters):
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(
+                f"unsupported HF config key 'rope_scaling' (rope_type={rope_type!r}); only default RoPE"
+            )
+    if hf_config.get("rope_theta") is not None:
+        return float(hf_config["rope_theta"])
+    if rope_parameters.get("rope_theta") is not None:
+        return float(rope_parameters["rope_theta"])
+    raise ValueError(f"HF config (model_type={hf_config.get('model_type')!r}) is missing required key 'rope_theta'")
+
+
+def padded_vocab_size(
+    vocab_size: int, *, tensor_model_parallel_size: int = 1, make_vocab_size_divisible_by: int = 128
+) -> int:
+    """Round ``vocab_size`` up to a multiple of ``make_vocab_size_divisible_by x TP`` (as megatron).
+
+    Raises:
+        ValueError: a non-positive argument.
+    """
+    for name, value in (
+        ("vocab_size", vocab_size),
+        ("tensor_model_parallel_size", tensor_model_parallel_size),
+        ("make_vocab_size_divisible_by", make_vocab_size_divisible_by),
+    ):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
+    return -(-vocab_size // multiple) * multiple
+
+
+def build_model_spec(
+    hf_config: Mapping[str, Any],
+    *,
+    tensor_model_parallel_size: int = 1,
+    make_vocab_size_divisible_by: int = 128,
+) -> ModelSpec:
+    """Read vocabulary, tying, positions and RoPE base from an HF config dict.
+
+    Raises:
+        ValueError: unsupported ``model_type``, unsupported RoPE scaling or a missing key.
+    """
+    model_type = _model_type(hf_config)
+    vocab_size = int(_require(hf_config, "vocab_size"))
+    return ModelSpec(
+        model_type=model_type,
+        vocab_size=vocab_size,
+        padded_vocab_size=padded_vocab_size(
+            vocab_size,
+            tensor_model_parallel_size=tensor_model_parallel_size,
+            make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        ),
+        # HF's default for tie_word_embeddings is True (PretrainedConfig); Llama overrides to False.
+        tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", model_type != "llama")),
+        max_position_embeddings=int(_require(hf_config, "max_position_embeddings")),
+        rotary_base=_rope_theta(hf_config),
+        qk_layernorm=model_type == "qwen3",
+    )
+
+
+def build_transformer_config(
+    hf_config: Mapping[str, Any],
+    *,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    context_parallel_size: int = 1,
+    sequence_parallel: bool = False,
+    params_dtype: torch.dtype = torch.float32,
+    bf16: bool = False,
+    fp16: bool = False,
+    fp8: str | None = None,
+    fp8_recipe: str | None = None,
+    recompute: str | None = None,
+    deterministic_mode: bool = False,
+    attention_dropout: float = 0.0,
+    hidden_dropout: float = 0.0,
+):
+    """Build megatron-core's ``TransformerConfig`` from an HF ``config.json`` dict.
+
+    Mapping: hidden_size, num_hidden_layers, num_attention_heads, num_key_value_heads ->
+    num_query_groups (GQA), intermediate_size -> ffn_hidden_size, head_dim (or hidden/heads) ->
+    kv_channels, rms_norm_eps -> layernorm_epsilon with RMSNorm, silu -> SwiGLU
+    (gated_linear_unit + F.silu), initializer_range -> init_method_std, q/k/v bias for qwen2
+    (add_qkv_bias), no bias elsewhere (add_bias_linear=False), qk_layernorm for qwen3. The rotary
+    base and vocabulary are not TransformerConfig fields: use :func:`build_model_spec`.
+
+    Args:
+        hf_config: the parsed HF config.json.
+        tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size: sizes.
+        sequence_parallel: megatron sequence parallelism (needs TP > 1).
+        params_dtype: dtype of the parameters.
+        bf16, fp16: mixed-precision flags (at most one).
+        fp8: None, "e4m3" or "hybrid" (Transformer Engine only).
+        fp8_recipe: megatron fp8 recipe name ("delayed", "tensorwise", "mxfp8", "blockwise").
+        recompute: None, "full" (uniform, every layer) or "selective" activation recomputation.
+        deterministic_mode: megatron's deterministic mode.
+        attention_dropout, hidden_dropout: dropout probabilities in [0, 1).
+
+    Returns:
+        ``megatron.core.transformer.TransformerConfig``.
+
+    Raises:
+        ValueError: unsupported ``model_type`` / activation / sliding window, a missing key,
+            inconsistent sizes or bad arguments (the message names the key).
+    """
+    from megatron.core.transformer import TransformerConfig
+
+    model_type = _model_type(hf_config)
+    hidden_size = int(_require(hf_config, "hidden_size"))
+    num_layers = int(_require(hf_config, "num_hidden_layers"))
+    num_heads = int(_require(hf_config, "num_attention_heads"))
+    num_kv_heads = int(hf_config.get("num_key_value_heads") or num_heads)
+    ffn_hidden_size = int(_require(hf_config, "intermediate_size"))
+    eps = float(_require(hf_config, "rms_norm_eps"))
+    hidden_act = _require(hf_config, "hidden_act")
+    if hidden_act != "silu":
+        raise ValueError(f"unsupported HF config key 'hidden_act'={hidden_act!r}; only 'silu' (SwiGLU)")
+    if hf_config.get("use_sliding_window"):
+        raise ValueError("unsupported HF config key 'use_sliding_window'=True; only full attention")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"HF config key 'num_attention_heads'={num_heads} is not a multiple of "
+            f"'num_key_value_heads'={num_kv_heads}"
+        )
+    if model_type == "llama" and hf_config.get("mlp_bias"):
+        raise ValueError("unsupported HF config key 'mlp_bias'=True")
+    head_dim = hf_config.get("head_dim")
+    if head_dim is None:
+        if hidden_size % num_heads != 0:
+            raise ValueError(
+                f"HF config key 'hidden_size'={hidden_size} is not divisible by "
+                f"'num_attention_heads'={num_heads} and 'head_dim' is missing"
+            )
+        head_dim = hidden_size // num_heads
+    if model_type == "qwen2":
+        add_qkv_bias = True
+    else:
+        add_qkv_bias = bool(hf_config.get("attention_bias", False))
+    if recompute not in _RECOMPUTE_CHOICES:
+        raise ValueError(f"recompute must be one of {_RECOMPUTE_CHOICES}, got {recompute!r}")
+    if bf16 and fp16:
+        raise ValueError("bf16 and fp16 are mutually exclusive")
+    for name, p in (("attention_dropout", attention_dropout), ("hidden_dropout", hidden_dropout)):
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"{name} must be in [0, 1), got {p!r}")
+    if tensor_model_parallel_size > 1 and num_kv_heads % tensor_model_parallel_size != 0:
+        raise ValueError(
+            f"HF config key 'num_key_value_heads'={num_kv_heads} is not divisible by "
+            f"tensor_model_parallel_size={tensor_model_parallel_size}"
+        )
+    if sequence_parallel and tensor_model_parallel_size == 1:
+        raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1")
+    _rope_theta(hf_config)  # validate here so a bad RoPE fails at config time
+
+    recompute_kwargs: dict[str, Any] = {}
+    if recompute == "full":
+        recompute_kwargs = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif recompute == "selective":
+        recompute_kwargs = dict(recompute_granularity="selective")
+
+    return TransformerConfig(
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        num_attention_heads=num_heads,
+        num_query_groups=num_kv_heads,
+        ffn_hidden_size=ffn_hidden_size,
+        kv_channels=int(head_dim),
+        normalization="RMSNorm",
+        layernorm_epsilon=eps,
+        qk_layernorm=model_type == "qwen3",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=add_qkv_bias,
+        init_method_std=float(hf_config.get("initializer_range", 0.02)),
+        attention_dropout=attention_dropout,
+        hidden_dropout=hidden_dropout,
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        pipeline_model_parallel_size=pipeline_model_parallel_size,
+        context_parallel_size=context_parallel_size,
+        sequence_parallel=sequence_parallel,
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=bf16,
+        fp16=fp16,
+        fp8=fp8,
+        fp8_recipe=fp8_recipe if fp8_recipe is not None else "delayed",
+        deterministic_mode=deterministic_mode,
+        # The RL losses hand megatron a numerator and a count per micro-batch; megatron sums both
+        # over micro-batches and DP ranks (ALGORITHMS.md section 6).
+        calculate_per_token_loss=True,
+        # Fused kernels are CUDA-only or need torch.compile; the trainer enables none of them.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        # Per-token losses with variable-length micro-batches (pipeline shapes vary).
+        variable_seq_lengths=True,
+        # Dense models have no MoE layer; megatron rejects the default "allgather" dispatcher with
+        # variable_seq_lengths even so.
+        moe_token_dispatcher_type="alltoall",
+        **recompute_kwargs,
+    )

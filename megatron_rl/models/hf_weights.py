@@ -1,0 +1,363 @@
+"""HF <-> megatron-core parameter mapping for Qwen2/Qwen2.5 (also Qwen3, Llama): load and export.
+
+Name map (``L`` = global layer index; megatron names of the local spec, TE fused-norm names in
+brackets):
+
+=====================================================  ===============================================
+HF                                                     megatron-core GPTModel
+=====================================================  ===============================================
+model.embed_tokens.weight [V, h]                       embedding.word_embeddings.weight [Vp/tp, h]
+model.layers.L.input_layernorm.weight                  decoder.layers.L.input_layernorm.weight
+                                                       [self_attention.linear_qkv.layer_norm_weight]
+model.layers.L.self_attn.{q,k,v}_proj.{weight,bias}    decoder.layers.L.self_attention.linear_qkv.*
+model.layers.L.self_attn.o_proj.weight                 decoder.layers.L.self_attention.linear_proj.weight
+model.layers.L.self_attn.{q,k}_norm.weight (qwen3)     decoder.layers.L.self_attention.{q,k}_layernorm.weight
+model.layers.L.post_attention_layernorm.weight         decoder.layers.L.pre_mlp_layernorm.weight
+                                                       [mlp.linear_fc1.layer_norm_weight]
+model.layers.L.mlp.{gate,up}_proj.weight               decoder.layers.L.mlp.linear_fc1.weight
+model.layers.L.mlp.down_proj.weight                    decoder.layers.L.mlp.linear_fc2.weight
+model.norm.weight                                      decoder.final_layernorm.weight
+lm_head.weight (untied only)                           output_layer.weight [Vp/tp, h]
+=====================================================  ===============================================
+
+Fused layouts. ``linear_qkv`` rows are grouped per query group g (ng = num_key_value_heads
+groups, np/ng query heads each, head dim hn): ``[q heads of g (np/ng*hn rows), k_g (hn), v_g (hn)]``
+for g = 0..ng-1; a TP rank holds the contiguous groups ``[r*ng/tp, (r+1)*ng/tp)``.
+``linear_fc1`` on TP rank r is ``[gate rows of shard r; up rows of shard r]``. Row-parallel
+weights (``linear_proj``, ``linear_fc2``) are split along the input dim; the vocabulary is padded
+with zero rows to Vp and split along rows. Norms are replicated.
+
+PP: layer indices come from each layer's global ``layer_number``, so a pipeline stage loads and
+exports its own layers. Export at PP > 1 yields only this stage's tensors; the stage broadcast
+belongs to weight sync.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.models.hf_config import build_model_spec
+
+logger = logging.getLogger(__name__)
+
+_ROW, _REPLICATED = 1, None  # kinds: split dim of row-parallel weights, not split
+
+
+def _unwrap(model):
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+# --------------------------------------------------------------------------- fused layouts
+
+
+def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """HF q [np*hn, ...], k/v [ng*hn, ...] -> megatron's per-group [q_g..., k_g, v_g] rows."""
+    rest = q.shape[1:]
+    q = q.reshape(num_groups, -1, *rest)
+    k = k.reshape(num_groups, -1, *rest)
+    v = v.reshape(num_groups, -1, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+
+def _split_qkv(qkv: torch.Tensor, num_groups: int, head_dim: int) -> tuple[torch.Tensor, ...]:
+    """Inverse of :func:`_fuse_qkv` on the full (all-group) tensor."""
+    rest = qkv.shape[1:]
+    grouped = qkv.reshape(num_groups, -1, *rest)
+    q_rows = grouped.shape[1] - 2 * head_dim
+    q, k, v = torch.split(grouped, [q_rows, head_dim, head_dim], dim=1)
+    return tuple(t.reshape(-1, *rest).contiguous() for t in (q, k, v))
+
+
+def _shard(full: torch.Tensor, dim: int | None, tp_rank: int, tp_size: int) -> torch.Tensor:
+    if dim is None or tp_size == 1:
+        return full
+    if full.shape[dim] % tp_size != 0:
+        raise ValueError(f"dim {dim} of shape {tuple(full.shape)} is not divisible by TP size {tp_size}")
+    return torch.chunk(full, tp_size, dim=dim)[tp_rank]
+
+
+def _shard_fc1(gate: torch.Tensor, up: torch.Tensor, tp_rank: int, tp_size: int) -> torch.Tensor:
+    return torch.cat([_shard(gate, 0, tp_rank, tp_size), _shard(up, 0, tp_rank, tp_size)], dim=0)
+
+
+def _pad_vocab(weight: torch.Tensor, padded_rows: int) -> torch.Tensor:
+    if weight.shape[0] > padded_rows:
+        raise ValueError(f"vocabulary rows {weight.shape[0]} exceed the padded size {padded_rows}")
+    if weight.shape[0] == padded_rows:
+        return weight
+    pad = weight.new_zeros(padded_rows - weight.shape[0], *weight.shape[1:])
+    return torch.cat([weight, pad], dim=0)
+
+
+# --------------------------------------------------------------------------- tensor sources
+
+
+class _HFTensors:
+    """Name -> tensor lookup over a state dict or a directory of safetensors files."""
+
+    def __init__(self, source: str | os.PathLike | Mapping[str, torch.Tensor]):
+        self._dict: Mapping[str, torch.Tensor] | None = None
+        self._files: dict[str, Path] = {}
+        if isinstance(source, Mapping):
+            self._dict = source
+            return
+        root = Path(source)
+        if not root.is_dir():
+            raise ValueError(f"HF checkpoint directory {str(root)!r} does not exist")
+        from safetensors import safe_open
+
+        index = root / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self._files = {name: root / file for name, file in weight_map.items()}
+        else:
+            for file in sorted(root.glob("*.safetensors")):
+                with safe_open(str(file), framework="pt") as handle:
+                    self._files.update({name: file for name in handle.keys()})
+        if not self._files:
+            raise ValueError(f"no *.safetensors weights found in {str(root)!r}")
+
+    def __contains__(self, name: str) -> bool:
+        return name in (self._dict if self._dict is not None else self._files)
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self:
+            raise KeyError(f"HF weight {name!r} not found in the checkpoint")
+        if self._dict is not None:
+            return self._dict[name]
+        from safetensors import safe_open
+
+        with safe_open(str(self._files[name]), framework="pt") as handle:
+            return handle.get_tensor(name)
+
+
+# --------------------------------------------------------------------------- mapping
+
+
+def _layer_entries(layer, hf_index: int, fused_norms: bool) -> list[tuple[str, Any, list[str], Any]]:
+    """(megatron name suffix, param, HF names, kind) for one transformer layer."""
+    p = f"model.layers.{hf_index}."
+    attn, mlp = layer.self_attention, layer.mlp
+    entries: list[tuple[str, Any, list[str], Any]] = []
+
+    def add(suffix: str, param, hf_suffixes: list[str], kind) -> None:
+        entries.append((suffix, param, [p + s for s in hf_suffixes], kind))
+
+    qkv = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"]
+    add("self_attention.linear_qkv.weight", attn.linear_qkv.weight, qkv, "qkv")
+    if getattr(attn.linear_qkv, "bias", None) is not None:
+        add("self_attention.linear_qkv.bias", attn.linear_qkv.bias, [n.replace(".weight", ".bias") for n in qkv], "qkv")
+    add("self_attention.linear_proj.weight", attn.linear_proj.weight, ["self_attn.o_proj.weight"], _ROW)
+    for mc, hf in (("q_layernorm", "q_norm"), ("k_layernorm", "k_norm")):
+        norm = getattr(attn, mc, None)
+        if getattr(norm, "weight", None) is not None:
+            add(f"self_attention.{mc}.weight", norm.weight, [f"self_attn.{hf}.weight"], _REPLICATED)
+    add("mlp.linear_fc1.weight", mlp.linear_fc1.weight, ["mlp.gate_proj.weight", "mlp.up_proj.weight"], "fc1")
+    add("mlp.linear_fc2.weight", mlp.linear_fc2.weight, ["mlp.down_proj.weight"], _ROW)
+    if fused_norms:  # Transformer Engine spec: each norm lives in the linear that follows it
+        add("self_attention.linear_qkv.layer_norm_weight", attn.linear_qkv.layer_norm_weight,
+            ["input_layernorm.weight"], _REPLICATED)
+        add("mlp.linear_fc1.layer_norm_weight", mlp.linear_fc1.layer_norm_weight,
+            ["post_attention_layernorm.weight"], _REPLICATED)
+    else:
+        add("input_layernorm.weight", layer.input_layernorm.weight, ["input_layernorm.weight"], _REPLICATED)
+        add("pre_mlp_layernorm.weight", layer.pre_mlp_layernorm.weight,
+            ["post_attention_layernorm.weight"], _REPLICATED)
+    return entries
+
+
+def _model_entries(model) -> list[tuple[str, Any, list[str], Any]]:
+    """(megatron name, param, HF names, kind) for every parameter of one pipeline stage.
+
+    Kinds: "qkv", "fc1", "vocab", "vocab_tied_copy" (the last stage's copy of a tied
+    embedding at PP > 1: loaded, never exported), _ROW (split along dim 1), _REPLICATED.
+    """
+    model = _unwrap(model)
+    entries: list[tuple[str, Any, list[str], Any]] = []
+    if model.pre_process:
+        entries.append(("embedding.word_embeddings.weight", model.embedding.word_embeddings.weight,
+                        ["model.embed_tokens.weight"], "vocab"))
+    for local_index, layer in enumerate(model.decoder.layers):
+        hf_index = layer.layer_number - 1  # layer_number is global and 1-based
+        fused_norms = hasattr(layer.self_attention.linear_qkv, "layer_norm_weight")
+        for suffix, param, hf_names, kind in _layer_entries(layer, hf_index, fused_norms):
+            entries.append((f"decoder.layers.{local_index}.{suffix}", param, hf_names, kind))
+    if model.post_process:
+        entries.append(("decoder.final_layernorm.weight", model.decoder.final_layernorm.weight,
+                        ["model.norm.weight"], _REPLICATED))
+        if not model.share_embeddings_and_output_weights:
+            entries.append(("output_layer.weight", model.output_layer.weight, ["lm_head.weight"], "vocab"))
+        elif not model.pre_process:
+            # PP > 1 with tied embeddings: the last stage keeps its own copy of the embedding.
+            entries.append(("output_layer.weight", model.output_layer.weight,
+                            ["model.embed_tokens.weight"], "vocab_tied_copy"))
+    return entries
+
+
+# --------------------------------------------------------------------------- load
+
+
+@torch.no_grad()
+def load_hf_weights(
+    model,
+    hf_dir_or_state_dict: str | os.PathLike | Mapping[str, torch.Tensor],
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> None:
+    """Copy HF weights into a megatron-core GPTModel (this TP rank's shard, this PP stage's layers).
+
+    Args:
+        model: ``GPTModel`` (optionally DDP-wrapped) built by ``models.builder.build_model``.
+        hf_dir_or_state_dict: an HF checkpoint directory (``*.safetensors``, with or without
+            ``model.safetensors.index.json``) or an HF-named state dict (e.g.
+            ``Qwen2ForCausalLM.state_dict()``); tensors of any float dtype, cast to the params'.
+        tp_rank, tp_size: this rank's tensor-parallel coordinates.
+
+    Padded vocabulary rows (index >= HF vocab size) are set to zero. With tied embeddings
+    ``lm_head.weight`` is not read. Tensors are copied one by one (no second copy of the
+    stage in memory): after an error the model is partially loaded and must be discarded.
+
+    Raises:
+        KeyError: a needed HF tensor is missing.
+        ValueError: a shape does not match (wrong config, TP size) or the directory is invalid.
+    """
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank must be in [0, {tp_size}), got {tp_rank}")
+    config = _unwrap(model).config
+    if config.tensor_model_parallel_size != tp_size:
+        raise ValueError(
+            f"tp_size={tp_size} but the model was built with tensor_model_parallel_size="
+            f"{config.tensor_model_parallel_size}"
+        )
+    source = _HFTensors(hf_dir_or_state_dict)
+    num_groups = config.num_query_groups or config.num_attention_heads
+    for name, param, hf_names, kind in _model_entries(model):
+        tensors = [source.get(n) for n in hf_names]
+        if kind == "qkv":
+            local = _shard(_fuse_qkv(*tensors, num_groups), 0, tp_rank, tp_size)
+        elif kind == "fc1":
+            local = _shard_fc1(*tensors, tp_rank, tp_size)
+        elif kind in ("vocab", "vocab_tied_copy"):
+            local = _shard(_pad_vocab(tensors[0], param.shape[0] * tp_size), 0, tp_rank, tp_size)
+        else:
+            local = _shard(tensors[0], kind, tp_rank, tp_size)
+        if tuple(local.shape) != tuple(param.shape):
+            raise ValueError(
+                f"shape mismatch for {name} (from {hf_names}): HF gives {tuple(local.shape)}, "
+                f"model has {tuple(param.shape)}"
+            )
+        param.copy_(local.to(dtype=param.dtype))
+    logger.info("loaded HF weights into TP rank %d/%d", tp_rank, tp_size)
+
+
+# --------------------------------------------------------------------------- export
+
+
+def _all_gather(local: torch.Tensor, dim: int, tp_group) -> list[torch.Tensor]:
+    shards = [torch.empty_like(local) for _ in range(dist.get_world_size(tp_group))]
+    dist.all_gather(shards, local.contiguous(), group=tp_group)
+    return shards
+
+
+@torch.no_grad()
+def iter_hf_weights(
+    model,
+    hf_config: Mapping[str, Any],
+    *,
+    tp_group=None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield full HF-named tensors of this pipeline stage, in HF ``state_dict`` order.
+
+    Order: ``model.embed_tokens.weight``, then per layer q/k/v proj (weight, bias), o_proj,
+    (q_norm, k_norm), gate/up/down proj, input_layernorm, post_attention_layernorm, then
+    ``model.norm.weight`` and ``lm_head.weight`` (only when untied; with tied embeddings HF
+    checkpoints and SGLang's loader skip it). Padded vocabulary rows are trimmed.
+
+    Every TP rank of ``tp_group`` must iterate (the shards are all-gathered); all of them get the
+    full tensors. Tensors are fresh copies in the parameters' dtype on the parameters' device.
+
+    Args:
+        model: ``GPTModel`` (optionally DDP-wrapped).
+        hf_config: the HF config the model was built from (vocabulary size).
+        tp_group: tensor-parallel group; None or a group of size 1 means no gather.
+
+    Raises:
+        ValueError: unsupported HF config.
+    """
+    spec = build_model_spec(hf_config)
+    config = _unwrap(model).config
+    num_groups = config.num_query_groups or config.num_attention_heads
+    head_dim = config.kv_channels
+    tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
+
+    def gather(local: torch.Tensor, dim: int) -> list[torch.Tensor]:
+        return [local] if tp_size == 1 else _all_gather(local, dim, tp_group)
+
+    pending: list[tuple[str, torch.Tensor]] = []  # one unit (embedding, a layer, the head)
+    for name, param, hf_names, kind in _model_entries(model):
+        if kind == "vocab_tied_copy":
+            continue
+        unit = _unit_of(hf_names[0])
+        if pending and _unit_of(pending[0][0]) != unit:
+            yield from _in_hf_order(pending)
+            pending = []
+        local = param.detach()
+        if kind == "qkv":
+            full = torch.cat(gather(local, 0), dim=0)
+            outputs = _split_qkv(full, num_groups, head_dim)
+        elif kind == "fc1":
+            halves = [torch.chunk(shard, 2, dim=0) for shard in gather(local, 0)]
+            outputs = (torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves]))
+        elif kind == "vocab":
+            outputs = (torch.cat(gather(local, 0), dim=0)[: spec.vocab_size],)
+        elif kind is _REPLICATED:
+            outputs = (local,)
+        else:
+            outputs = (torch.cat(gather(local, kind), dim=kind),)
+        pending.extend((hf_name, tensor.clone()) for hf_name, tensor in zip(hf_names, outputs, strict=True))
+    yield from _in_hf_order(pending)
+
+
+# Registration order of HF's Qwen2/Qwen3/Llama decoder layer (= its state_dict order).
+_HF_LAYER_ORDER = (
+    "self_attn.q_proj.weight",
+    "self_attn.q_proj.bias",
+    "self_attn.k_proj.weight",
+    "self_attn.k_proj.bias",
+    "self_attn.v_proj.weight",
+    "self_attn.v_proj.bias",
+    "self_attn.o_proj.weight",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+)
+
+
+def _unit_of(hf_name: str) -> str:
+    if hf_name.startswith("model.layers."):
+        return ".".join(hf_name.split(".")[:3])
+    return "head" if hf_name in ("model.norm.weight", "lm_head.weight") else hf_name
+
+
+def _in_hf_order(named: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    def key(item: tuple[str, torch.Tensor]) -> int:
+        name = item[0]
+        if name.startswith("model.layers."):
+            return _HF_LAYER_ORDER.index(name.split(".", 3)[3])
+        return 0
+
+    return iter(sorted(named, key=key))  # stable: non-layer units keep their order

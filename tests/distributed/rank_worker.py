@@ -1,0 +1,122 @@
+"""One gloo rank of a distributed test (started by ``tiny_qwen2.run_ranks``); asserts inside the rank.
+
+Scenario ``train``: TP = WORLD_SIZE (1 or 2). Load a random tiny Qwen2 into GPTModel with the
+CPU compatibility layer, check the HF export round trip, logits / log-probs / entropy against
+HF, then one forward / backward / optimizer step. Prints ``RESULT {json}`` on success.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+warnings.filterwarnings("ignore")
+
+
+def scenario_train() -> dict:
+    import torch
+
+    from megatron_rl.models.builder import build_model, wrap_ddp_and_optimizer
+    from megatron_rl.models.hf_config import build_transformer_config
+    from megatron_rl.models.hf_weights import iter_hf_weights, load_hf_weights
+    from megatron_rl.parallel.cpu_compat import cpu_compat_enabled
+    from megatron_rl.parallel.groups import destroy_parallel, initialize_parallel
+    from megatron_rl.trainer.logprobs import forward_logits, token_logprobs_and_entropy
+    from tiny_qwen2 import hf_state_dict, ragged_batch, tiny_hf_config, tiny_hf_model
+
+    started = time.monotonic()
+    world_size = int(os.environ["WORLD_SIZE"])
+    tie = os.environ.get("TIE", "0") == "1"
+    groups = initialize_parallel(tensor_model_parallel_size=world_size, backend="gloo", timeout_s=60, seed=1234)
+    assert cpu_compat_enabled()
+    assert (groups.world_size, groups.tp_size, groups.pp_size, groups.dp_size, groups.cp_size) == (
+        world_size, world_size, 1, 1, 1,
+    ), groups
+    assert groups.tp_rank == groups.rank and groups.pp_rank == 0 and groups.dp_rank == 0
+    import torch.distributed as dist
+
+    assert dist.get_world_size(groups.tp) == world_size and dist.get_world_size(groups.dp) == 1
+
+    hf_config = tiny_hf_config(tie_word_embeddings=tie)
+    hf_model = tiny_hf_model(hf_config, seed=0)  # same seed on every rank: same weights
+    hf_sd = hf_state_dict(hf_model, hf_config)
+
+    tf_config = build_transformer_config(hf_config, tensor_model_parallel_size=world_size)
+    model = build_model(hf_config, tf_config)
+    load_hf_weights(model, hf_sd, tp_rank=groups.tp_rank, tp_size=groups.tp_size)
+    assert model.embedding.word_embeddings.weight.shape == (256 // world_size, 64)
+
+    # Export round trip: gathered over TP, bit-identical, HF order.
+    exported = list(iter_hf_weights(model, hf_config, tp_group=groups.tp))
+    assert [name for name, _ in exported] == list(hf_sd), [name for name, _ in exported]
+    for name, tensor in exported:
+        assert torch.equal(tensor, hf_sd[name]), name
+
+    input_ids, mask = ragged_batch(seed=1)
+    labels = torch.roll(input_ids, shifts=-1, dims=1)
+    with torch.no_grad():
+        hf_logits = hf_model(input_ids=input_ids, attention_mask=mask.long()).logits  # [B, S, V]
+        logits = forward_logits(model, input_ids, attention_mask=mask)  # [B, S, Vp/tp]
+        vocab_lo = groups.tp_rank * logits.shape[-1]
+        local_ref = hf_logits[..., vocab_lo : min(vocab_lo + logits.shape[-1], hf_config["vocab_size"])]
+        got = logits[..., : local_ref.shape[-1]]
+        logit_err = float((got - local_ref)[mask].abs().max())
+        assert logit_err < 1e-4, logit_err
+        logprobs, entropy = token_logprobs_and_entropy(
+            logits, labels, vocab_size=hf_config["vocab_size"], tp_group=groups.tp
+        )
+        ref_logp_all = torch.log_softmax(hf_logits.double(), dim=-1)
+        ref_logprobs = ref_logp_all.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        ref_entropy = -(ref_logp_all.exp() * ref_logp_all).sum(-1)
+        logp_err = float((logprobs.double() - ref_logprobs)[mask].abs().max())
+        ent_err = float((entropy.double() - ref_entropy)[mask].abs().max())
+        assert logp_err < 1e-4 and ent_err < 1e-4, (logp_err, ent_err)
+
+    # One training step through megatron DDP + optimizer.
+    trainer = wrap_ddp_and_optimizer(model, tf_config, lr=1e-2, weight_decay=0.0, clip_grad=1.0)
+    assert tf_config.finalize_model_grads_func is not None and tf_config.no_sync_func is not None
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer.optimizer.zero_grad()
+    for chunk in trainer.model:
+        chunk.zero_grad_buffer()
+    logits = forward_logits(trainer.model[0], input_ids)
+    logprobs, entropy = token_logprobs_and_entropy(
+        logits, labels, vocab_size=hf_config["vocab_size"], tp_group=groups.tp
+    )
+    loss = -(logprobs * mask).sum() / mask.sum() - 0.01 * (entropy * mask).sum() / mask.sum()
+    assert torch.isfinite(loss), loss
+    loss.backward()
+    tf_config.finalize_model_grads_func(trainer.model)
+    ok, grad_norm, _ = trainer.optimizer.step()
+    trainer.scheduler.step(increment=1)
+    assert ok and grad_norm is not None and grad_norm > 0 and grad_norm == grad_norm, grad_norm
+    changed = [n for n, p in model.named_parameters() if not torch.equal(p.detach(), before[n])]
+    assert len(changed) == len(before), sorted(set(before) - set(changed))
+    loss_value = float(loss)
+    destroy_parallel()
+    return {
+        "rank": groups.rank,
+        "loss": loss_value,
+        "grad_norm": float(grad_norm),
+        "logit_err": logit_err,
+        "logp_err": logp_err,
+        "entropy_err": ent_err,
+        "seconds": time.monotonic() - started,
+    }
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format=f"[rank {os.environ.get('RANK')}] %(name)s: %(message)s")
+    scenario = sys.argv[1]
+    result = {"train": scenario_train}[scenario]()
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""megatron-core on CPU/gloo through the compatibility layer: TP=1 (1 rank) and TP=2 (2 ranks).
+
+Each rank (``rank_worker.py train``) asserts its group sizes, loads a random tiny Qwen2,
+checks the HF export round trip (TP gather), logits / log-probs / entropy against HF, and runs
+forward, backward and one optimizer step (loss finite, every parameter changes).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tiny_qwen2 import run_ranks
+
+
+@pytest.mark.parametrize(
+    "world_size, tie",
+    [(1, False), (2, True), (2, False)],
+    ids=["ws1-tp1-untied", "ws2-tp2-tied", "ws2-tp2-untied"],
+)
+def test_tiny_gpt_train_step_on_gloo(world_size, tie):
+    results = run_ranks("train", world_size, timeout_s=120, extra_env={"TIE": "1" if tie else "0"})
+    assert sorted(r["rank"] for r in results) == list(range(world_size))
+    losses = {r["loss"] for r in results}
+    assert len(losses) == 1, losses  # TP ranks compute the same (replicated) loss
+    for result in results:
+        assert result["logit_err"] < 1e-4 and result["logp_err"] < 1e-4 and result["entropy_err"] < 1e-4
+
+
+def test_compat_is_inactive_when_cuda_is_available(monkeypatch):
+    from megatron_rl.parallel import cpu_compat
+
+    monkeypatch.setattr(cpu_compat, "_state", {"enabled": False, "mode": None, "originals": [], "filter": None})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    current_device = torch.cuda.current_device
+    assert cpu_compat.enable_cpu_compat() is False
+    assert not cpu_compat.cpu_compat_enabled()
+    assert torch.cuda.current_device is current_device  # nothing patched
+    assert torch.empty(1, device="cpu").device.type == "cpu"
+
+
+def test_compat_refuses_other_megatron_versions(monkeypatch):
+    import megatron.core
+
+    from megatron_rl.parallel import cpu_compat
+
+    monkeypatch.setattr(cpu_compat, "_state", {"enabled": False, "mode": None, "originals": [], "filter": None})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(megatron.core, "__version__", "0.20.0")
+    with pytest.raises(RuntimeError, match="0.19"):
+        cpu_compat.enable_cpu_compat()
+    assert not cpu_compat.cpu_compat_enabled()
+
+
+def test_compat_rewrites_cuda_devices_and_is_idempotent():
+    """In-process: enable, exercise the touch points, disable (other tests see plain torch)."""
+    from megatron_rl.parallel import cpu_compat
+
+    if torch.cuda.is_available():
+        pytest.skip("the layer is never active with CUDA")
+    assert cpu_compat.enable_cpu_compat() is True
+    try:
+        assert cpu_compat.enable_cpu_compat() is True  # idempotent
+        assert torch.cuda.current_device() == 0
+        assert torch.zeros(2, device="cuda").device.type == "cpu"
+        assert torch.empty(1, device=torch.cuda.current_device()).device.type == "cpu"
+        assert torch.ones(1).cuda().device.type == "cpu"
+        assert torch.ones(1).to("cuda:0", torch.float64).dtype == torch.float64
+        with torch.cuda.stream(torch.cuda.Stream()):
+            torch.cuda.current_stream().wait_stream(torch.cuda.Stream())
+        torch.cuda.synchronize()
+        torch.cuda.manual_seed(7)
+        state = torch.cuda.get_rng_state()
+        first = torch.rand(3)
+        torch.cuda.set_rng_state(state)
+        assert torch.equal(torch.rand(3), first)  # CUDA RNG is the CPU RNG
+        assert torch.ones(1).type() == "torch.FloatTensor"  # only megatron callers see cuda names
+    finally:
+        cpu_compat.disable_cpu_compat()
+    assert not cpu_compat.cpu_compat_enabled()
+    with pytest.raises(Exception):
+        torch.zeros(1, device="cuda")
