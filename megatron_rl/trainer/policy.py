@@ -162,6 +162,28 @@ class PolicyTrainer:
             )
         return num, count.to(torch.int), {k: v.detach().float() for k, v in sums.items()}
 
+    def accumulate_gradients(self, mini: TrainBatch) -> list[dict]:
+        """Zero the gradients, then forward and backward every micro-batch of one mini-batch.
+
+        After it, each parameter's `main_grad` holds the gradient of the mini-batch loss, already
+        divided by the global normaliser (all micro-batches, all DP ranks) by megatron-core's
+        `finalize_model_grads`. Returns the per-micro-batch metric sums.
+        """
+        mbs = list(mini.micro_batches(self.micro_batch_size))
+        for m in self.model:
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+        def forward_step(data_iterator, m):
+            mb = next(data_iterator)
+            return forward_logits(m, mb.input_ids, position_ids=mb.position_ids), partial(self._loss_func, mb)
+
+        return self._schedule()(
+            forward_step_func=forward_step, data_iterator=iter(mbs), model=self.model,
+            num_microbatches=len(mbs), seq_length=mini.input_ids.shape[1],
+            micro_batch_size=self.micro_batch_size, forward_only=False,
+        )
+
     def update(self, batch: TrainBatch, *, mini_batch_sequences: int, ppo_epochs: int = 1) -> list[dict]:
         """PPO updates over `batch` (old_logprobs set): one optimizer step per mini-batch.
 
@@ -174,7 +196,6 @@ class PolicyTrainer:
             One metrics dict per optimizer step (loss, grad_norm, pg_clipfrac, ...).
         """
         assert batch.old_logprobs is not None, "compute old_logprobs before the update"
-        schedule = self._schedule()
         history = []
         for _ in range(ppo_epochs):
             for start in range(0, len(batch), mini_batch_sequences):
@@ -182,20 +203,7 @@ class PolicyTrainer:
                 if not bool(mini.loss_mask.any()):
                     logger.warning("mini-batch at sequence %d has no trained token; skipped", start)
                     continue
-                mbs = list(mini.micro_batches(self.micro_batch_size))
-                for m in self.model:
-                    m.zero_grad_buffer()
-                self.optimizer.zero_grad()
-
-                def forward_step(data_iterator, m):
-                    mb = next(data_iterator)
-                    return forward_logits(m, mb.input_ids, position_ids=mb.position_ids), partial(self._loss_func, mb)
-
-                out = schedule(
-                    forward_step_func=forward_step, data_iterator=iter(mbs), model=self.model,
-                    num_microbatches=len(mbs), seq_length=mini.input_ids.shape[1],
-                    micro_batch_size=self.micro_batch_size, forward_only=False,
-                )
+                out = self.accumulate_gradients(mini)
                 ok, grad_norm, _ = self.optimizer.step()
                 if ok:
                     self.scheduler.step(increment=1)
