@@ -20,6 +20,7 @@ setup(
         "psutil==7.2.2",
         "pyarrow==26.0.1",
         "requests==2.34.2",
+        "httpx==0.28.1",
         "fastapi==0.165.0",
         "uvicorn==0.54.0",
         "pydantic==2.14.4",

@@ -97,6 +97,7 @@ class RolloutManager:
         overlong: (enable, buffer_len, penalty_factor) of DAPO's overlong reward shaping.
         seed: run seed, mixed into every `sampling_seed`.
         max_concurrency: HTTP requests in flight in total.
+        eos_token_ids: the tokenizer's EOS ids (tells an EOS stop from a stop-token stop, case B21).
     """
 
     def __init__(
@@ -113,6 +114,7 @@ class RolloutManager:
         overlong: tuple[bool, int, float] = (False, 1, 1.0),
         seed: int = 0,
         max_concurrency: int = 256,
+        eos_token_ids: Sequence[int] = (),
     ) -> None:
         if not clients:
             raise ValueError("RolloutManager needs at least one rollout server client")
@@ -127,6 +129,7 @@ class RolloutManager:
         self.overlong = overlong
         self.seed = seed
         self.max_concurrency = max_concurrency
+        self.eos_token_ids = list(eos_token_ids) or None
         self._prompt_cache: dict[str, list[int]] = {}
         self._executor = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="rollout")
 
@@ -174,7 +177,8 @@ class RolloutManager:
                 params["max_new_tokens"] = max_new
                 params["sampling_seed"] = derive_seed(*seed_parts, i, j)
                 client = self.clients[(i * n + j) % len(self.clients)]
-                futures.append(self._executor.submit(client.generate, ids, params, f"{tag}-p{i}-r{j}"))
+                futures.append(self._executor.submit(client.generate, ids, params, f"{tag}-p{i}-r{j}",
+                                                     eos_token_ids=self.eos_token_ids))
         results = [f.result() for f in futures]
         return [results[i * n : (i + 1) * n] for i in range(len(rows))]
 

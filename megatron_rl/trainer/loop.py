@@ -67,17 +67,18 @@ class _Controller:
                     extra_args=extra, startup_timeout_s=r.startup_timeout_s,
                 )
                 stack.callback(server.stop)
-                urls.append(server.url)
-        key = r.admin_api_key or r.api_key
-        self.clients = [RolloutClient(u, api_key=key, timeout_s=r.timeout_s) for u in urls]
+                urls.append(server.base_url)
+        self.clients = [RolloutClient(u, api_key=r.api_key, admin_api_key=r.admin_api_key, timeout_s=60.0,
+                                      generate_timeout_s=r.timeout_s) for u in urls]
         self.reward_pool = stack.enter_context(RewardPool(cfg.reward.num_workers, cfg.reward.timeout_s))
         ob = cfg.reward.overlong_buffer
+        eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
         self.manager = RolloutManager(
             self.clients, tokenizer, self.reward_pool, reward_fn=cfg.reward.reward_fn,
             max_prompt_length=cfg.data.max_prompt_length, max_response_length=cfg.data.max_response_length,
             correct_score=cfg.reward.correct_score, incorrect_score=cfg.reward.incorrect_score,
             overlong=(ob.enable, ob.len, ob.penalty_factor), seed=cfg.trainer.seed,
-            max_concurrency=r.max_concurrency,
+            max_concurrency=r.max_concurrency, eos_token_ids=sorted(eos),
         )
         stack.callback(self.manager.close)
         ws = cfg.weight_sync
@@ -131,11 +132,18 @@ def run_training(cfg: Config) -> dict:
         torch.set_num_threads(cfg.trainer.num_threads)
     enable_cpu_compat()
     t = cfg.trainer
+    if "WORLD_SIZE" not in os.environ:  # a plain process, not under torchrun/srun: a world of one
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     pgs = initialize_parallel(
         tensor_model_parallel_size=t.tensor_model_parallel_size,
         pipeline_model_parallel_size=t.pipeline_model_parallel_size,
         context_parallel_size=t.context_parallel_size, backend=t.distributed_backend,
-        timeout_s=t.distributed_timeout_s, seed=t.seed,
+        timeout_s=int(t.distributed_timeout_s), seed=t.seed,
     )
     if pgs.world_size != 1:
         destroy_parallel()
@@ -167,7 +175,6 @@ def run_training(cfg: Config) -> dict:
         use_distributed_optimizer=t.use_distributed_optimizer,
         lr_warmup_steps=o.lr_warmup_steps * steps_per_rl_step,
         lr_decay_steps=max(t.total_training_steps * steps_per_rl_step, 1), lr_decay_style=o.lr_decay_style,
-        pg_collection=pgs.pg_collection,
     )
     ddp_model, optimizer, scheduler = tm.model, tm.optimizer, tm.scheduler
     ref_model = None

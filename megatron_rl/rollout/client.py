@@ -1,0 +1,544 @@
+"""HTTP client for rollout servers that speak SGLang 0.5.23's API (SGLang itself or the embedded server).
+
+One code path for both: the trainer never knows which kind of server it talks to. Every call
+has a timeout. Retry policy (the only one in the project for rollout HTTP calls): a call is
+retried, with exponential back-off, when the request never reached the server (connection
+refused/reset before sending, connect timeout); GETs are also retried on read timeouts and
+5xx answers. Anything else raises ``RolloutServerError`` at once, so a ``/generate`` or a
+weight update is never sent twice by accident.
+
+``GenerateResult`` is the adapter from SGLang's ``/generate`` answer to the rollout sample
+(case B21): it keeps the matched stop/EOS id in ``output_ids``, checks that the number of ids,
+the number of log-probs and ``completion_tokens`` agree, and records where the stop came from.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import httpx
+
+from megatron_rl.rollout.errors import RolloutServerError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GenerateRequest", "GenerateResult", "RolloutClient", "StopReason"]
+
+StopReason = Literal["eos", "stop_token", "stop_string", "length", "abort"]
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """One generated response, as the rollout keeps it.
+
+    Attributes:
+        rid: the request id (``meta_info.id``).
+        output_ids: generated token ids, the matched EOS / stop token id INCLUDED as the last
+            id (it is trained on: the loss mask covers it).
+        output_logprobs: rollout log-probs, one per ``output_ids`` entry (None when not asked).
+        finish_type: ``"stop"``, ``"length"`` or ``"abort"`` (SGLang's ``finish_reason.type``).
+        matched_stop: the matched token id (int), stop string (str) or other matched item, or None.
+        stop_reason: where the end came from: ``eos`` | ``stop_token`` | ``stop_string`` |
+            ``length`` | ``abort``.
+        prompt_tokens, completion_tokens: token counts from ``meta_info``.
+        weight_version: label of the weights that produced the response.
+        abort_message: ``finish_reason.message`` of an aborted request, else None.
+    """
+
+    rid: str
+    output_ids: list[int]
+    output_logprobs: list[float] | None
+    finish_type: Literal["stop", "length", "abort"]
+    matched_stop: int | str | list | None
+    stop_reason: StopReason
+    prompt_tokens: int
+    completion_tokens: int
+    weight_version: str | None
+    abort_message: str | None = None
+
+    @classmethod
+    def from_sglang(
+        cls,
+        response: Mapping[str, Any],
+        *,
+        stop_token_ids: Iterable[int] = (),
+        eos_token_ids: Iterable[int] | None = None,
+        return_logprob: bool = True,
+    ) -> GenerateResult:
+        """Build a result from one SGLang ``/generate`` answer object and check its consistency.
+
+        Args:
+            response: one answer object (``output_ids``, ``meta_info``).
+            stop_token_ids: the request's ``sampling_params.stop_token_ids``.
+            eos_token_ids: the model's EOS ids when known. A matched id counts as ``eos`` when it is
+                one of them, else as ``stop_token`` when it is one of ``stop_token_ids``, else as
+                ``eos`` (SGLang matches ids only for EOS and ``stop_token_ids``).
+            return_logprob: whether log-probs were asked for (then they must be there).
+
+        Raises:
+            RolloutServerError: the answer is malformed, or ``len(output_ids)``, the number of
+                log-probs and ``completion_tokens`` disagree (a server that drops the stop id from
+                the ids, case B21).
+        """
+        try:
+            meta = response["meta_info"]
+            output_ids = [int(t) for t in response["output_ids"]]
+            finish = meta["finish_reason"]
+            completion_tokens = int(meta["completion_tokens"])
+            prompt_tokens = int(meta["prompt_tokens"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise RolloutServerError(
+                f"malformed /generate answer (missing or bad {e!s}): {str(response)[:500]}", body=response
+            ) from None
+        rid = str(meta.get("id", ""))
+        logprobs: list[float] | None = None
+        if return_logprob:
+            entries = meta.get("output_token_logprobs")
+            if entries is None:
+                raise RolloutServerError(f"/generate answer for {rid!r} has no output_token_logprobs", body=response)
+            logprobs = [float(e[0]) for e in entries]
+            ids_of_logprobs = [int(e[1]) for e in entries]
+            if ids_of_logprobs != output_ids[: len(ids_of_logprobs)]:
+                raise RolloutServerError(
+                    f"/generate answer for {rid!r}: output_token_logprobs token ids "
+                    f"{ids_of_logprobs[:8]}... do not follow output_ids {output_ids[:8]}...",
+                    body=response,
+                )
+        if len(output_ids) != completion_tokens or (logprobs is not None and len(logprobs) != len(output_ids)):
+            raise RolloutServerError(
+                f"/generate answer for {rid!r} is inconsistent: {len(output_ids)} output_ids, "
+                f"{'n/a' if logprobs is None else len(logprobs)} logprobs, completion_tokens={completion_tokens} "
+                "(did a layer strip the stop token id?)",
+                body=response,
+            )
+        if finish is None:
+            raise RolloutServerError(f"/generate answer for {rid!r} has finish_reason null (unfinished)", body=response)
+        ftype = finish.get("type")
+        matched = finish.get("matched")
+        abort_message = None
+        if ftype == "length":
+            reason: StopReason = "length"
+        elif ftype == "abort":
+            reason = "abort"
+            abort_message = finish.get("message")
+        elif ftype == "stop":
+            if isinstance(matched, bool):
+                raise RolloutServerError(f"/generate answer for {rid!r}: matched={matched!r}", body=response)
+            if isinstance(matched, int):
+                eos = set(eos_token_ids) if eos_token_ids is not None else set()
+                reason = "eos" if matched in eos or matched not in set(stop_token_ids) else "stop_token"
+                if not output_ids or output_ids[-1] != matched:
+                    raise RolloutServerError(
+                        f"/generate answer for {rid!r}: stop token {matched} is not the last "
+                        f"output id {output_ids[-1:]} (stripped?)",
+                        body=response,
+                    )
+            elif matched is None:
+                reason = "eos"
+            else:
+                reason = "stop_string"
+        else:
+            raise RolloutServerError(f"/generate answer for {rid!r}: unknown finish_reason {finish!r}", body=response)
+        return cls(
+            rid=rid,
+            output_ids=output_ids,
+            output_logprobs=logprobs,
+            finish_type=ftype,
+            matched_stop=matched,
+            stop_reason=reason,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            weight_version=meta.get("weight_version"),
+            abort_message=abort_message,
+        )
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One request for ``RolloutClient.generate_many``: ``input_ids`` [prompt length] token ids."""
+
+    input_ids: list[int]
+    sampling_params: dict[str, Any]
+    rid: str
+    return_logprob: bool = True
+
+
+class RolloutClient:
+    """Client of one rollout server (SGLang or embedded), one method per endpoint.
+
+    Args:
+        base_url: e.g. ``"http://127.0.0.1:30000"``.
+        api_key: Bearer key for ``/generate`` and the info endpoints (``--api-key``).
+        admin_api_key: Bearer key for control endpoints (``--admin-api-key``); when None the
+            control endpoints get ``api_key``.
+        timeout_s: default timeout of every call, seconds (``generate`` and the weight-update
+            calls take their own).
+        max_retries: retries of calls that never reached the server (see the module docstring).
+        transport: an ``httpx`` transport (tests use ``httpx.MockTransport``).
+
+    Errors: every method raises ``RolloutServerError`` when the server cannot be reached, answers
+    with an HTTP error, or answers ``success: false``; ``ValueError`` for bad arguments.
+    Thread-safe: one client may serve many threads (``generate_many`` does).
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        admin_api_key: str | None = None,
+        timeout_s: float = 60.0,
+        generate_timeout_s: float = 3600.0,
+        max_retries: int = 3,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        if timeout_s <= 0 or generate_timeout_s <= 0:
+            raise ValueError(
+                f"timeouts must be > 0, got timeout_s={timeout_s}, generate_timeout_s={generate_timeout_s}"
+            )
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.generate_timeout_s = generate_timeout_s
+        self.max_retries = max_retries
+        self._api_key = api_key
+        self._admin_api_key = admin_api_key
+        self._http = httpx.Client(
+            base_url=self.base_url,
+            timeout=timeout_s,
+            transport=transport,
+            limits=httpx.Limits(max_connections=512, max_keepalive_connections=64),
+        )
+
+    def __repr__(self) -> str:  # never show keys
+        return f"RolloutClient({self.base_url!r})"
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._http.close()
+
+    def __enter__(self) -> RolloutClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- transport ----------------------------------------------------------------------
+
+    def _headers(self, admin: bool) -> dict[str, str]:
+        key = (self._admin_api_key or self._api_key) if admin else self._api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        params: dict | None = None,
+        admin: bool = False,
+        timeout_s: float | None = None,
+    ) -> httpx.Response:
+        url = self.base_url + path
+        timeout = timeout_s if timeout_s is not None else self.timeout_s
+        delay = 0.2
+        for attempt in range(self.max_retries + 1):
+            try:
+                resp = self._http.request(
+                    method, path, json=json, params=params, headers=self._headers(admin), timeout=timeout
+                )
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                err: Exception = e
+            except httpx.TimeoutException as e:
+                if method != "GET":
+                    raise RolloutServerError(f"{method} {url} timed out after {timeout:.0f} s", url=url) from e
+                err = e
+            except httpx.HTTPError as e:
+                raise RolloutServerError(f"{method} {url} failed: {e!r}", url=url) from e
+            else:
+                if resp.status_code >= 500 and method == "GET" and attempt < self.max_retries:
+                    err = RolloutServerError(
+                        f"{method} {url}: HTTP {resp.status_code}", url=url, status_code=resp.status_code
+                    )
+                else:
+                    return resp
+            if attempt < self.max_retries:
+                logger.warning(
+                    "%s %s: %r; retry %d/%d in %.1f s", method, url, err, attempt + 1, self.max_retries, delay
+                )
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        raise RolloutServerError(f"{method} {url} failed after {self.max_retries + 1} attempts: {err!r}", url=url)
+
+    @staticmethod
+    def _body(resp: httpx.Response) -> Any:
+        try:
+            return resp.json()
+        except ValueError:
+            return resp.text
+
+    def _check(self, resp: httpx.Response, what: str) -> Any:
+        body = self._body(resp)
+        if resp.status_code != 200:
+            raise RolloutServerError(
+                f"{what} at {self.base_url}: HTTP {resp.status_code}: {str(body)[:1000]}",
+                url=str(resp.request.url),
+                status_code=resp.status_code,
+                body=body,
+            )
+        return body
+
+    def _control(self, path: str, body: dict, *, timeout_s: float | None = None) -> dict:
+        """POST a control body; raise unless the answer is ``success: true``."""
+        resp = self._request("POST", path, json=body, admin=True, timeout_s=timeout_s)
+        data = self._check(resp, path)
+        if isinstance(data, dict) and data.get("success") is False:
+            raise RolloutServerError(
+                f"{path} at {self.base_url} failed: {data.get('message')}",
+                url=self.base_url + path,
+                status_code=resp.status_code,
+                body=data,
+            )
+        return data if isinstance(data, dict) else {"result": data}
+
+    # ---- health and info ----------------------------------------------------------------
+
+    def health(self) -> None:
+        """``GET /health``; raises ``RolloutServerError`` unless it answers 200."""
+        self._check(self._request("GET", "/health"), "/health")
+
+    def is_healthy(self, timeout_s: float = 2.0) -> bool:
+        """True when ``GET /health`` answers 200 within ``timeout_s`` (no retries)."""
+        try:
+            return self._http.get("/health", timeout=timeout_s).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        """Poll ``/health`` until it answers 200; raise ``RolloutServerError`` after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while not self.is_healthy():
+            if time.monotonic() > deadline:
+                raise RolloutServerError(f"{self.base_url} not healthy after {timeout_s:.0f} s", url=self.base_url)
+            time.sleep(0.2)
+
+    def health_generate(self) -> None:
+        """``GET /health_generate`` (a one-token generation); raises unless 200."""
+        self._check(self._request("GET", "/health_generate"), "/health_generate")
+
+    def model_info(self) -> dict:
+        """``GET /model_info``: ``model_path``, ``weight_version`` and (embedded server) ``dtype``."""
+        return self._check(self._request("GET", "/model_info"), "/model_info")
+
+    def server_info(self) -> dict:
+        """``GET /server_info``: the server's arguments and state (``tp_size``, ...)."""
+        return self._check(self._request("GET", "/server_info"), "/server_info")
+
+    def weight_version(self) -> str:
+        """The server's current weight version label (``/model_info``)."""
+        return str(self.model_info()["weight_version"])
+
+    def tp_size(self) -> int:
+        """Tensor-parallel size of the server (its number of ranks in a weight-update group)."""
+        return int(self.server_info().get("tp_size", 1))
+
+    # ---- generation ---------------------------------------------------------------------
+
+    def generate_raw(self, body: dict, *, timeout_s: float | None = None) -> Any:
+        """``POST /generate`` with ``body`` as is; returns the decoded answer (object or list)."""
+        resp = self._request("POST", "/generate", json=body, timeout_s=timeout_s or self.generate_timeout_s)
+        return self._check(resp, "/generate")
+
+    def generate(
+        self,
+        input_ids: list[int],
+        sampling_params: dict[str, Any],
+        rid: str,
+        return_logprob: bool = True,
+        *,
+        eos_token_ids: Iterable[int] | None = None,
+        timeout_s: float | None = None,
+    ) -> GenerateResult:
+        """Generate one response for ``input_ids`` ([prompt length] token ids).
+
+        ``sampling_params`` uses SGLang's keys (``max_new_tokens``, ``temperature``, ``top_p``,
+        ``top_k``, ``sampling_seed``, ``stop_token_ids``, ...; an unknown key is a 400 and raises).
+        ``rid`` is the request id, usable with ``abort_request``. Must have ``n`` == 1.
+
+        Raises:
+            RolloutServerError: HTTP error, timeout, or an inconsistent answer (see ``GenerateResult``).
+            ValueError: ``n`` > 1 or empty ``input_ids``.
+        """
+        if not input_ids:
+            raise ValueError("input_ids must not be empty")
+        if int(sampling_params.get("n", 1)) != 1:
+            raise ValueError("generate() makes one response; send one request per response (own rid and seed)")
+        body = {
+            "input_ids": list(input_ids),
+            "sampling_params": dict(sampling_params),
+            "rid": rid,
+            "return_logprob": return_logprob,
+        }
+        data = self.generate_raw(body, timeout_s=timeout_s)
+        if not isinstance(data, dict):
+            raise RolloutServerError(f"/generate answered a {type(data).__name__} for one prompt", body=data)
+        return GenerateResult.from_sglang(
+            data,
+            stop_token_ids=sampling_params.get("stop_token_ids") or (),
+            eos_token_ids=eos_token_ids,
+            return_logprob=return_logprob,
+        )
+
+    def generate_many(
+        self,
+        requests: Sequence[GenerateRequest],
+        max_concurrency: int = 64,
+        *,
+        eos_token_ids: Iterable[int] | None = None,
+        timeout_s: float | None = None,
+    ) -> list[GenerateResult]:
+        """Run ``requests`` concurrently (at most ``max_concurrency`` in flight).
+
+        Returns the results in the order of ``requests``, never in arrival order. The first
+        failure is raised (``RolloutServerError``) after the requests already sent complete.
+        """
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        if not requests:
+            return []
+        eos = list(eos_token_ids) if eos_token_ids is not None else None
+        with ThreadPoolExecutor(max_workers=min(max_concurrency, len(requests)), thread_name_prefix="generate") as pool:
+            futures = [
+                pool.submit(
+                    self.generate,
+                    r.input_ids,
+                    r.sampling_params,
+                    r.rid,
+                    r.return_logprob,
+                    eos_token_ids=eos,
+                    timeout_s=timeout_s,
+                )
+                for r in requests
+            ]
+            return [f.result() for f in futures]
+
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        """``POST /abort_request``: abort every request whose rid starts with ``rid`` (or all)."""
+        self._check(
+            self._request("POST", "/abort_request", json={"rid": rid, "abort_all": abort_all}, admin=True),
+            "/abort_request",
+        )
+
+    # ---- generation control -------------------------------------------------------------
+
+    def pause_generation(self, mode: Literal["abort", "retract", "in_place"] = "abort") -> dict:
+        """``POST /pause_generation``."""
+        return self._control("/pause_generation", {"mode": mode})
+
+    def continue_generation(self) -> dict:
+        """``POST /continue_generation``."""
+        return self._control("/continue_generation", {})
+
+    def flush_cache(self, timeout_s: float = 0.0) -> str:
+        """``POST /flush_cache``; returns the server's text. Raises on 400 (requests in flight)."""
+        resp = self._request(
+            "POST",
+            "/flush_cache",
+            json={},
+            params={"timeout": timeout_s},
+            admin=True,
+            timeout_s=self.timeout_s + timeout_s,
+        )
+        return str(self._check(resp, "/flush_cache"))
+
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = True) -> dict:
+        """``POST /update_weight_version``: relabel the weights only."""
+        return self._control(
+            "/update_weight_version", {"new_version": new_version, "abort_all_requests": abort_all_requests}
+        )
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """``POST /get_weights_by_name``: the parameter's first ``truncate_size`` rows/values."""
+        resp = self._request(
+            "POST", "/get_weights_by_name", json={"name": name, "truncate_size": truncate_size}, admin=True
+        )
+        return self._check(resp, "/get_weights_by_name")
+
+    # ---- weight update ------------------------------------------------------------------
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+        *,
+        timeout_s: float | None = None,
+    ) -> dict:
+        """``POST /init_weights_update_group``; blocks until every rank joined (call it from a thread)."""
+        return self._control(
+            "/init_weights_update_group",
+            {
+                "master_address": master_address,
+                "master_port": master_port,
+                "rank_offset": rank_offset,
+                "world_size": world_size,
+                "group_name": group_name,
+                "backend": backend,
+            },
+            timeout_s=timeout_s,
+        )
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
+        """``POST /destroy_weights_update_group``."""
+        return self._control("/destroy_weights_update_group", {"group_name": group_name})
+
+    def begin_weight_update(
+        self, selector: Literal["all", "target", "draft"] = "all", *, timeout_s: float | None = None
+    ) -> dict:
+        """``POST /begin_weight_update`` (opens the session the update calls need)."""
+        return self._control("/begin_weight_update", {"selector": selector}, timeout_s=timeout_s)
+
+    def end_weight_update(self, *, timeout_s: float | None = None) -> dict:
+        """``POST /end_weight_update`` (closes the session)."""
+        return self._control("/end_weight_update", {}, timeout_s=timeout_s)
+
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        *,
+        group_name: str = "weight_update_group",
+        flush_cache: bool = True,
+        abort_all_requests: bool = False,
+        weight_version: str | None = None,
+        load_format: str | None = None,
+        timeout_s: float | None = None,
+    ) -> dict:
+        """``POST /update_weights_from_distributed``: answers after the broadcasts and the load.
+
+        The caller must broadcast the matching tensors (or one flattened bucket) over the group
+        meanwhile, so call this from a thread.
+        """
+        body: dict[str, Any] = {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+            "abort_all_requests": abort_all_requests,
+        }
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        if load_format is not None:
+            body["load_format"] = load_format
+        return self._control("/update_weights_from_distributed", body, timeout_s=timeout_s)

@@ -1,0 +1,342 @@
+"""Trainer side of the weight sync: push HF-named tensors to rollout servers by broadcast.
+
+The trainer rank that holds the full HF-named weights is rank 0 of a private process group
+(``weight_sync.group``, SGLang's recipe) whose other ranks are the servers' TP workers. One
+sync follows DESIGN.md step 7 and SGLANG_API.md: pause generation (abort), open the update
+session, then per bucket post ``/update_weights_from_distributed`` (``flattened_bucket``) to
+every server from a thread while broadcasting the bucket, close the session, flush the cache,
+check that every server reports the new ``weight_version``, continue generation.
+
+Fail-fast: a server that refuses a bucket (HTTP 400) never joins the broadcast, so the trainer
+polls its HTTP answers while the broadcast is pending and raises ``WeightSyncError`` with
+``group_broken=True`` instead of waiting for the collective timeout.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.rollout.client import RolloutClient
+from megatron_rl.rollout.errors import RolloutServerError, WeightSyncError
+from megatron_rl.weight_sync.buckets import bucket_named_tensors, cast_named_tensors, flatten_bucket
+from megatron_rl.weight_sync.group import destroy_custom_process_group, init_custom_process_group
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["WeightSyncSender"]
+
+
+class WeightSyncSender:
+    """Broadcast trainer weights to rollout servers (SGLang or embedded) over one private group.
+
+    Args:
+        clients: one ``RolloutClient`` per server; each joins with its ``tp_size`` ranks.
+        master_address: address the servers reach this process at (the TCPStore host).
+        master_port: rendezvous port; None picks a free one on ``master_address``.
+        backend: ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors).
+        group_name: name of the group on both sides (unique in this process).
+        bucket_size_mib: most bytes per broadcast (a larger single tensor goes alone).
+        timeout_s: rendezvous timeout, timeout of every broadcast and of every HTTP call of a sync.
+        dtype: dtype the servers hold their weights in; None reads ``/model_info`` ``dtype`` from the
+            first server (the embedded server reports it; when absent, tensors are sent as they are
+            and the server casts on load).
+
+    Call ``init_group()`` once (and again after a server restart or a ``group_broken`` error),
+    ``sync(...)`` after every optimizer step, ``destroy()`` at exit. With several sending ranks
+    (pipeline stages) use ``begin_update`` / ``send`` / ``finish_update`` instead of ``sync``.
+    """
+
+    def __init__(
+        self,
+        clients: list[RolloutClient],
+        *,
+        master_address: str = "127.0.0.1",
+        master_port: int | None = None,
+        backend: str = "gloo",
+        group_name: str = "weight_update_group",
+        bucket_size_mib: float = 512,
+        timeout_s: float = 600.0,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if not clients:
+            raise ValueError("WeightSyncSender needs at least one rollout client")
+        if bucket_size_mib <= 0 or timeout_s <= 0:
+            raise ValueError(f"bucket_size_mib and timeout_s must be > 0, got {bucket_size_mib}, {timeout_s}")
+        self.clients = list(clients)
+        self.master_address = master_address
+        self.master_port = master_port
+        self.backend = backend
+        self.group_name = group_name
+        self.bucket_size_mib = bucket_size_mib
+        self.timeout_s = timeout_s
+        self.dtype = dtype
+        self._pg: dist.ProcessGroup | None = None
+        self._pool = ThreadPoolExecutor(max_workers=len(self.clients) + 2, thread_name_prefix="weight-sync")
+
+    @property
+    def initialized(self) -> bool:
+        """True between a successful ``init_group()`` and ``destroy()``."""
+        return self._pg is not None
+
+    def _all(self, fn: Callable[[RolloutClient], object]) -> list[object]:
+        futures = [self._pool.submit(fn, c) for c in self.clients]
+        return [f.result() for f in futures]
+
+    def init_group(self) -> None:
+        """Create the group: post ``/init_weights_update_group`` to every server while joining as rank 0.
+
+        World size is 1 + the sum of the servers' ``tp_size``; server *i* joins at rank offset
+        1 + the TP sizes of servers before it.
+
+        Raises:
+            WeightSyncError: a server refused or the rendezvous failed/timed out.
+        """
+        if self._pg is not None:
+            raise WeightSyncError("init_group() called twice; call destroy() first")
+        from megatron_rl.rollout.launcher import find_free_port
+
+        port = self.master_port or find_free_port(self.master_address)
+        try:
+            tp_sizes = [int(t) for t in self._all(lambda c: c.tp_size())]
+            if self.dtype is None:
+                info_dtype = self.clients[0].model_info().get("dtype")
+                self.dtype = (
+                    getattr(torch, info_dtype) if isinstance(info_dtype, str) and hasattr(torch, info_dtype) else None
+                )
+        except RolloutServerError as e:
+            raise WeightSyncError(f"cannot query the rollout servers: {e}") from e
+        world_size = 1 + sum(tp_sizes)
+        offsets = [1 + sum(tp_sizes[:i]) for i in range(len(self.clients))]
+        posts = [
+            self._pool.submit(
+                c.init_weights_update_group,
+                self.master_address,
+                port,
+                off,
+                world_size,
+                self.group_name,
+                self.backend,
+                timeout_s=self.timeout_s + 30,
+            )
+            for c, off in zip(self.clients, offsets)
+        ]
+        join = self._pool.submit(
+            init_custom_process_group,
+            backend=self.backend,
+            host=self.master_address,
+            port=port,
+            world_size=world_size,
+            rank=0,
+            group_name=self.group_name,
+            timeout_s=self.timeout_s,
+        )
+        self._wait_all(posts, join, "init_weights_update_group", group_op=False)
+        self._pg = join.result()
+        logger.info("weight-update group %r ready: world size %d, port %d", self.group_name, world_size, port)
+
+    def _wait_all(self, posts: list[Future], pending: Future | object, what: str, group_op: bool) -> None:
+        """Wait for the local side (``pending``: a Future or a ``dist.Work``) and the HTTP posts; fail fast."""
+        deadline = time.monotonic() + self.timeout_s + 60
+        is_done = pending.done if isinstance(pending, Future) else pending.is_completed
+        while not is_done():
+            for f in posts:
+                if f.done() and f.exception() is not None:
+                    raise WeightSyncError(
+                        f"{what} refused by a server while the trainer was waiting for the collective: {f.exception()}",
+                        group_broken=group_op,
+                    ) from f.exception()
+            if time.monotonic() > deadline:
+                raise WeightSyncError(
+                    f"{what}: collective did not complete in {self.timeout_s:.0f} s", group_broken=True
+                )
+            time.sleep(0.005)
+        if isinstance(pending, Future) and pending.exception() is not None:
+            raise WeightSyncError(
+                f"{what}: trainer side failed: {pending.exception()}", group_broken=group_op
+            ) from pending.exception()
+        if not isinstance(pending, Future):
+            pending.wait(timeout=timedelta(seconds=self.timeout_s))
+        errors = []
+        for f in posts:
+            try:
+                f.result(timeout=self.timeout_s + 60)
+            except Exception as e:
+                errors.append(e)
+        if errors:
+            raise WeightSyncError(f"{what} failed on {len(errors)} server(s): {errors[0]}") from errors[0]
+
+    def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str) -> dict[str, float]:
+        """Push ``named_tensors`` (HF names, full unsharded tensors) and label them ``weight_version``.
+
+        ``begin_update()``, ``send(...)`` and ``finish_update(...)`` in one call (one trainer rank
+        holds all weights). Tensors must be on the backend's device (CPU for gloo). Floating
+        tensors are cast to the servers' dtype first. The iterable is consumed lazily, one
+        bucket at a time.
+
+        Returns:
+            metrics: ``weight_sync/time_s`` (whole sync, seconds), ``weight_sync/broadcast_time_s``,
+            ``weight_sync/bytes`` (payload bytes broadcast), ``weight_sync/gbps`` (gigabits per second
+            over the whole sync, 1e9 bits), ``weight_sync/num_buckets``, ``weight_sync/num_tensors``.
+
+        Raises:
+            WeightSyncError: any step failed; the servers stay paused and may hold partly updated
+                weights (the session is closed where possible). Run ``sync`` again (after
+                ``destroy()`` + ``init_group()`` when ``group_broken``).
+        """
+        weight_version = str(weight_version)
+        t0 = time.perf_counter()
+        self.begin_update()
+        try:
+            stats = self.send(named_tensors, weight_version=weight_version)
+        except BaseException:
+            self._close_session_after_error()
+            raise
+        self.finish_update(weight_version)
+        elapsed = time.perf_counter() - t0
+        metrics = {
+            "weight_sync/time_s": elapsed,
+            "weight_sync/broadcast_time_s": stats["broadcast_time_s"],
+            "weight_sync/bytes": stats["bytes"],
+            "weight_sync/gbps": stats["bytes"] * 8 / 1e9 / elapsed if elapsed > 0 else 0.0,
+            "weight_sync/num_buckets": stats["num_buckets"],
+            "weight_sync/num_tensors": stats["num_tensors"],
+        }
+        logger.info(
+            "weight sync to version %s: %d tensors, %.1f MiB in %d buckets, %.2f s",
+            weight_version,
+            stats["num_tensors"],
+            stats["bytes"] / 2**20,
+            stats["num_buckets"],
+            elapsed,
+        )
+        return metrics
+
+    def begin_update(self) -> None:
+        """Pause generation (mode ``abort``) on every server and open the weight-update session.
+
+        HTTP only (no group needed): with several sending ranks (one per pipeline stage, each with
+        its own ``WeightSyncSender`` and ``group_name``), the controller calls this once, the
+        stages call ``send`` in a fixed order, and the controller calls ``finish_update``.
+
+        Raises:
+            WeightSyncError: a server refused (e.g. a session is already open).
+        """
+        try:
+            self._all(lambda c: c.pause_generation("abort"))
+            self._all(lambda c: c.begin_weight_update(timeout_s=self.timeout_s))
+        except RolloutServerError as e:
+            raise WeightSyncError(f"could not open the weight-update session: {e}") from e
+
+    def send(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], *, weight_version: str | None = None
+    ) -> dict[str, float]:
+        """Broadcast ``named_tensors`` bucket by bucket inside an open session (see ``begin_update``).
+
+        For each bucket, posts ``/update_weights_from_distributed`` (``flattened_bucket``,
+        ``flush_cache=False``) to every server from threads while broadcasting the bucket from
+        rank 0. ``weight_version``, when given, rides on the last bucket.
+
+        Returns:
+            ``bytes``, ``num_buckets``, ``num_tensors``, ``broadcast_time_s`` (floats).
+
+        Raises:
+            WeightSyncError: no tensors, a server refused a bucket (``group_broken=True`` when it
+                did so while the broadcast was pending), or the collective failed or timed out.
+        """
+        if self._pg is None:
+            raise WeightSyncError("send() before init_group()")
+        nbytes = num_buckets = num_tensors = 0
+        broadcast_s = 0.0
+        try:
+            buckets = bucket_named_tensors(cast_named_tensors(named_tensors, self.dtype), self.bucket_size_mib)
+            current = next(buckets, None)
+            if current is None:
+                raise WeightSyncError("no tensors to send")
+            while current is not None:
+                following = next(buckets, None)
+                flat, meta = flatten_bucket(current)
+                posts = [
+                    self._pool.submit(
+                        c.update_weights_from_distributed,
+                        meta.names,
+                        meta.dtypes,
+                        meta.shapes,
+                        group_name=self.group_name,
+                        flush_cache=False,
+                        weight_version=weight_version if following is None else None,
+                        load_format="flattened_bucket",
+                        timeout_s=self.timeout_s,
+                    )
+                    for c in self.clients
+                ]
+                tb = time.perf_counter()
+                work = dist.broadcast(flat, src=0, group=self._pg, async_op=True)
+                self._wait_all(posts, work, f"bucket {num_buckets} ({len(meta.names)} tensors)", group_op=True)
+                broadcast_s += time.perf_counter() - tb
+                nbytes += flat.numel()
+                num_buckets += 1
+                num_tensors += len(meta.names)
+                current = following
+        except (RolloutServerError, RuntimeError) as e:
+            if isinstance(e, WeightSyncError):
+                raise
+            raise WeightSyncError(f"weight broadcast failed: {e}", group_broken=True) from e
+        return {
+            "bytes": float(nbytes),
+            "num_buckets": float(num_buckets),
+            "num_tensors": float(num_tensors),
+            "broadcast_time_s": broadcast_s,
+        }
+
+    def finish_update(self, weight_version: str) -> None:
+        """Close the session, flush the cache, check every server's weight version, continue generation.
+
+        Raises:
+            WeightSyncError: a call failed or a server reports another ``weight_version`` (then the
+                servers stay paused: never sample from weights the trainer does not hold).
+        """
+        weight_version = str(weight_version)
+        try:
+            self._all(lambda c: c.end_weight_update(timeout_s=self.timeout_s))
+            self._all(lambda c: c.flush_cache(timeout_s=min(30.0, self.timeout_s)))
+            versions = self._all(lambda c: c.weight_version())
+        except RolloutServerError as e:
+            raise WeightSyncError(f"closing the weight update failed: {e}") from e
+        stale = [(c.base_url, v) for c, v in zip(self.clients, versions, strict=True) if v != weight_version]
+        if stale:
+            raise WeightSyncError(f"servers report a weight_version other than {weight_version!r}: {stale}")
+        try:
+            self._all(lambda c: c.continue_generation())
+        except RolloutServerError as e:
+            raise WeightSyncError(f"continue_generation failed: {e}") from e
+
+    def _close_session_after_error(self) -> None:
+        for c in self.clients:
+            try:
+                c.end_weight_update(timeout_s=min(30.0, self.timeout_s))
+            except RolloutServerError as e:  # reported; the original error is what the caller sees
+                logger.warning("end_weight_update on %s after a failed sync: %s", c.base_url, e)
+
+    def destroy(self) -> None:
+        """Destroy the group on the servers and here (best effort on the servers; idempotent)."""
+        if self._pg is None:
+            return
+        pg, self._pg = self._pg, None
+        for c in self.clients:
+            try:
+                c.destroy_weights_update_group(self.group_name)
+            except RolloutServerError as e:
+                logger.warning("destroy_weights_update_group on %s: %s", c.base_url, e)
+        destroy_custom_process_group(pg)
+
+    def close(self) -> None:
+        """``destroy()`` and stop the worker threads."""
+        self.destroy()
+        self._pool.shutdown(wait=False)

@@ -1,0 +1,178 @@
+"""Weight sync end to end: a torchrun-like trainer process broadcasts perturbed weights to a real server.
+
+The trainer process has its own gloo default group (world size 1, like a torchrun rank) and
+joins the server in a second, private group (SGLang's recipe). After each sync the server's
+greedy output must equal HF ``generate`` greedy on the trainer's perturbed weights.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from megatron_rl.rollout.launcher import find_free_port, launch_rollout_server
+
+EOS = 2
+PROMPTS = [[5, 6, 7], [11, 3, 90, 17, 4], [100]]
+
+
+def _save_model(path):
+    """A 2-layer Qwen2 of 2.28 MiB in float32 (embeddings and lm_head 1 MiB each: 3 buckets of 1 MiB)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(
+        vocab_size=4096,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=EOS,
+        bos_token_id=1,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+        initializer_range=0.3,
+    )
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(cfg).save_pretrained(path)
+
+
+def _greedy(model, prompt, n=12):
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=n,
+            eos_token_id=EOS,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def _trainer(model_dir, base_url, queue):
+    """Trainer rank: default gloo world of 1, then syncs to the server (results go to ``queue``)."""
+    try:
+        import torch.distributed as dist
+        from transformers import AutoModelForCausalLM
+
+        from megatron_rl.rollout.client import RolloutClient
+        from megatron_rl.rollout.errors import WeightSyncError
+        from megatron_rl.weight_sync.sender import WeightSyncSender
+
+        torch.set_num_threads(1)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(find_free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        client = RolloutClient(base_url, timeout_s=60, generate_timeout_s=60)
+        report = {"original_hf": [_greedy(model, p) for p in PROMPTS]}
+
+        def perturb(seed):
+            g = torch.Generator().manual_seed(seed)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn(p.shape, generator=g) * 0.3)
+
+        def server_greedy():
+            return [
+                client.generate(p, {"max_new_tokens": 12, "temperature": 0}, rid=f"g{i}").output_ids
+                for i, p in enumerate(PROMPTS)
+            ]
+
+        for step, bucket_mib in ((1, 1), (2, 512)):
+            perturb(step)
+            sender = WeightSyncSender([client], bucket_size_mib=bucket_mib, timeout_s=60)
+            sender.init_group()
+            metrics = sender.sync(model.state_dict().items(), weight_version=str(step))
+            report[f"step{step}"] = {
+                "metrics": metrics,
+                "hf": [_greedy(model, p) for p in PROMPTS],
+                "server": server_greedy(),
+                "version": client.weight_version(),
+                "norm": client.get_weights_by_name("model.norm.weight", truncate_size=4),
+                "trainer_norm": model.state_dict()["model.norm.weight"][:4].tolist(),
+                "state_bytes": sum(t.numel() * t.element_size() for t in model.state_dict().values()),
+            }
+            if step == 1:
+                # an unknown name fails the sync without touching any weight (all-or-nothing load)
+                bad = [("model.norm.weight", torch.zeros(64)), ("model.no_such.weight", torch.zeros(3))]
+                try:
+                    sender.sync(bad, weight_version="bad")
+                    report["bad"] = "no error"
+                except WeightSyncError as e:
+                    client.continue_generation()
+                    report["bad"] = {
+                        "error": str(e),
+                        "group_broken": e.group_broken,
+                        "version": client.weight_version(),
+                        "norm": client.get_weights_by_name("model.norm.weight", truncate_size=4),
+                        "server": server_greedy(),
+                    }
+            sender.close()  # destroy: the next sender re-creates a group of the same name on both sides
+        # fail fast: a server that refuses a bucket never joins the broadcast; no waiting for the timeout
+        sender = WeightSyncSender([client], group_name="failfast", timeout_s=60)
+        sender.init_group()
+        client.destroy_weights_update_group("failfast")  # the server forgets its side
+        t0 = time.monotonic()
+        try:
+            sender.sync([("model.norm.weight", torch.zeros(64))], weight_version="never")
+            report["failfast"] = "no error"
+        except WeightSyncError as e:
+            report["failfast"] = {"seconds": time.monotonic() - t0, "group_broken": e.group_broken}
+        sender.close()
+        client.continue_generation()
+        report["final_version"] = client.weight_version()
+        assert dist.get_world_size() == 1  # the trainer's own world is untouched
+        dist.destroy_process_group()
+        queue.put(report)
+    except BaseException:
+        queue.put({"exception": traceback.format_exc()})
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    model_dir = tmp_path_factory.mktemp("tiny_qwen2_sync")
+    _save_model(model_dir)
+    log = tmp_path_factory.mktemp("logs") / "server.log"
+    extra = ["--dtype", "float32", "--weight-version", "0", "--weight-sync-timeout-s", "120"]
+    with launch_rollout_server(model_dir, log_path=log, extra_args=extra) as proc:
+        yield model_dir, proc
+
+
+def test_sync_then_server_greedy_equals_hf_greedy(server):
+    model_dir, proc = server
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    trainer = ctx.Process(target=_trainer, args=(str(model_dir), proc.base_url, queue))
+    trainer.start()
+    try:
+        report = queue.get(timeout=400)
+    finally:
+        trainer.join(timeout=60)
+        if trainer.is_alive():
+            trainer.kill()
+    assert "exception" not in report, report.get("exception", "") + "\n--- server log ---\n" + proc.log_tail()
+    for step, n_buckets in ((1, 3), (2, 1)):
+        r = report[f"step{step}"]
+        assert r["version"] == str(step)
+        assert r["server"] == r["hf"], f"step {step}"
+        assert r["norm"] == pytest.approx(r["trainer_norm"], abs=0)
+        assert r["metrics"]["weight_sync/num_buckets"] == n_buckets
+        assert r["metrics"]["weight_sync/bytes"] == r["state_bytes"] and r["metrics"]["weight_sync/gbps"] > 0
+    # the perturbation really changed the outputs, so the equality above is informative
+    assert report["step1"]["hf"] != report["original_hf"] and report["step2"]["hf"] != report["step1"]["hf"]
+    bad = report["bad"]
+    assert isinstance(bad, dict), bad
+    assert "model.no_such.weight" in bad["error"] and not bad["group_broken"]
+    assert (
+        bad["version"] == "1" and bad["norm"] == report["step1"]["norm"] and bad["server"] == report["step1"]["server"]
+    )
+    ff = report["failfast"]
+    assert isinstance(ff, dict) and ff["group_broken"] and ff["seconds"] < 30, ff
+    assert report["final_version"] == "2"
