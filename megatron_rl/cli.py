@@ -34,9 +34,24 @@ def _train(argv: list[str]) -> int:
         for desc, _ in environment_checks(cfg):
             print(f"# environment check deferred to launch: {desc}")
         return 0
+    from megatron_rl.algorithms.dynamic_sampling import DynamicSamplingExhausted
+    from megatron_rl.rollout.errors import RolloutServerError, WeightSyncError
     from megatron_rl.trainer.loop import run_training
 
-    summary = run_training(cfg)
+    try:
+        summary = run_training(cfg)
+    except (ValueError, FileNotFoundError, RuntimeError, RolloutServerError, WeightSyncError,
+            DynamicSamplingExhausted) as e:
+        import traceback
+        from pathlib import Path
+
+        log = Path(cfg.run_dir) / "train.log"
+        if log.parent.is_dir():
+            with open(log, "a") as fh:
+                fh.write(traceback.format_exc())
+        print(f"megatron-rl train: error: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"(full traceback in {cfg.run_dir}/train.log)", file=sys.stderr)
+        return 1
     keys = [k for k in ("eval_before", "eval_after") if k in summary]
     for k in keys:
         ev = summary[k]

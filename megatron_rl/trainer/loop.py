@@ -42,34 +42,72 @@ def setup_logging(run_dir: Path, rank: int) -> None:
 
 
 class _Controller:
-    """Rank-0 side: servers, clients, rollout manager, weight sync sender, reward pool."""
+    """Rank-0 side: servers, clients, rollout manager, weight sync sender, reward pool.
 
-    def __init__(self, cfg: Config, tokenizer, stack: contextlib.ExitStack) -> None:
+    Embedded servers are launched first, in a background thread, so that their start-up overlaps
+    the trainer's model build; `connect` waits for them.
+    """
+
+    def __init__(self, cfg: Config, stack: contextlib.ExitStack) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.cfg = cfg
+        self.stack = stack
+        self._servers: list = []
+        r = cfg.rollout
+        if not r.server_urls and r.backend != "embedded":
+            raise ValueError("rollout.server_urls is empty; only rollout.backend: embedded starts its own servers")
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="server-launch")
+        self._launch = self._pool.submit(self._start_servers) if not r.server_urls else None
+        stack.callback(self._stop_servers)
+
+    def _start_servers(self) -> list[str]:
+        from megatron_rl.rollout.launcher import launch_rollout_server
+
+        cfg, r = self.cfg, self.cfg.rollout
+        urls = []
+        for i in range(r.num_servers):
+            extra = ["--max-batch-size", str(r.server_max_batch_size), "--random-seed", str(cfg.trainer.seed)]
+            if r.api_key:
+                extra += ["--api-key", r.api_key]
+            if r.admin_api_key:
+                extra += ["--admin-api-key", r.admin_api_key]
+            server = launch_rollout_server(
+                cfg.model.path, log_path=str(Path(cfg.run_dir) / f"rollout_server_{i}.log"),
+                extra_args=extra, startup_timeout_s=r.startup_timeout_s,
+            )
+            self._servers.append(server)
+            urls.append(server.base_url)
+        return urls
+
+    def _stop_servers(self) -> None:
+        if self._launch is not None:
+            self._launch.cancel()
+            try:
+                self._launch.result(timeout=self.cfg.rollout.startup_timeout_s + 30)
+            except Exception:  # noqa: BLE001 - the launch error was already raised by connect()
+                pass
+        for server in self._servers:
+            server.stop()
+        self._pool.shutdown(wait=False)
+
+    def connect(self, tokenizer) -> None:
+        """Wait for the servers, then build clients, the rollout manager and the weight-sync group.
+
+        Raises:
+            RolloutServerError: a server did not come up (the message holds its log tail).
+        """
         from megatron_rl.rewards.pool import RewardPool
         from megatron_rl.rollout.client import RolloutClient
-        from megatron_rl.rollout.launcher import launch_rollout_server
         from megatron_rl.rollout.manager import RolloutManager
         from megatron_rl.weight_sync.sender import WeightSyncSender
 
-        r = cfg.rollout
-        urls = list(r.server_urls)
-        if not urls:
-            if r.backend != "embedded":
-                raise ValueError("rollout.server_urls is empty; only rollout.backend: embedded starts its own servers")
-            for i in range(r.num_servers):
-                extra = ["--max-batch-size", str(r.server_max_batch_size), "--random-seed", str(cfg.trainer.seed)]
-                if r.api_key:
-                    extra += ["--api-key", r.api_key]
-                if r.admin_api_key:
-                    extra += ["--admin-api-key", r.admin_api_key]
-                server = launch_rollout_server(
-                    cfg.model.path, log_path=str(Path(cfg.run_dir) / f"rollout_server_{i}.log"),
-                    extra_args=extra, startup_timeout_s=r.startup_timeout_s,
-                )
-                stack.callback(server.stop)
-                urls.append(server.base_url)
+        cfg, r, stack = self.cfg, self.cfg.rollout, self.stack
+        urls = self._launch.result() if self._launch is not None else list(r.server_urls)
         self.clients = [RolloutClient(u, api_key=r.api_key, admin_api_key=r.admin_api_key, timeout_s=60.0,
                                       generate_timeout_s=r.timeout_s) for u in urls]
+        for c in self.clients:
+            stack.callback(c.close)
         self.reward_pool = stack.enter_context(RewardPool(cfg.reward.num_workers, cfg.reward.timeout_s))
         ob = cfg.reward.overlong_buffer
         eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
@@ -104,6 +142,18 @@ def run_training(cfg: Config) -> dict:
         ValueError: bad data (file and row named), dynamic sampling that keeps nothing, config errors.
         RolloutServerError / WeightSyncError: a rollout server that does not come up or a failed sync.
     """
+    t_start = time.perf_counter()
+    run_dir = Path(cfg.run_dir)
+    rank = int(os.environ.get("RANK", "0"))
+    setup_logging(run_dir, rank)
+    for desc, check in environment_checks(cfg):
+        check()
+        logger.info("environment check passed: %s", desc)
+    with contextlib.ExitStack() as stack:
+        return _run(cfg, run_dir, rank, stack, t_start)
+
+
+def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_start: float) -> dict:
     from transformers import AutoTokenizer
 
     from megatron_rl.algorithms.advantages import compute_advantages
@@ -121,13 +171,8 @@ def run_training(cfg: Config) -> dict:
     from megatron_rl.trainer.batch import build_train_batch
     from megatron_rl.trainer.policy import LossSettings, PolicyTrainer
 
-    t_start = time.perf_counter()
-    run_dir = Path(cfg.run_dir)
-    rank = int(os.environ.get("RANK", "0"))
-    setup_logging(run_dir, rank)
-    for desc, check in environment_checks(cfg):
-        check()
-        logger.info("environment check passed: %s", desc)
+    is_controller = rank == 0
+    ctl = _Controller(cfg, stack) if is_controller else None
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)
     enable_cpu_compat()
@@ -145,12 +190,11 @@ def run_training(cfg: Config) -> dict:
         context_parallel_size=t.context_parallel_size, backend=t.distributed_backend,
         timeout_s=int(t.distributed_timeout_s), seed=t.seed,
     )
+    stack.callback(destroy_parallel)
     if pgs.world_size != 1:
-        destroy_parallel()
         raise NotImplementedError(
             "multi-process training (TP/PP/DP > 1) is not wired into the loop yet; run with world size 1"
         )
-    is_controller = rank == 0
     if is_controller:
         save_config(cfg, run_dir / "config.yaml")
     torch.manual_seed(t.seed)
@@ -218,159 +262,158 @@ def run_training(cfg: Config) -> dict:
     eval_len = cfg.eval.max_response_length or cfg.data.max_response_length
 
     summary: dict = {"run_dir": str(run_dir), "config": config_to_dict(cfg)}
-    with contextlib.ExitStack() as stack:
-        ctl = _Controller(cfg, tokenizer, stack)
-        writer = MetricsWriter(run_dir, tensorboard=t.tensorboard, wandb_project="megatron-rl" if t.wandb else None)
-        stack.callback(writer.close)
+    ctl.connect(tokenizer)
+    writer = MetricsWriter(run_dir, tensorboard=t.tensorboard, wandb_project="megatron-rl" if t.wandb else None)
+    stack.callback(writer.close)
 
-        def push_weights(version: int) -> dict:
-            with torch.no_grad():
-                return ctl.sender.sync(iter_hf_weights(model, hf_config), weight_version=str(version))
+    def push_weights(version: int) -> dict:
+        with torch.no_grad():
+            return ctl.sender.sync(iter_hf_weights(model, hf_config), weight_version=str(version))
 
-        def run_eval(tag: str) -> dict:
-            res = evaluate(ctl.manager, val_rows, n=cfg.eval.n, temperature=cfg.eval.temperature,
-                           top_p=cfg.eval.top_p, seed=cfg.eval.seed, max_new_tokens=eval_len, tag=tag)
-            logger.info("eval %s: %s", tag, {k: round(v, 4) for k, v in res.items() if isinstance(v, float)})
-            return res
+    def run_eval(tag: str) -> dict:
+        res = evaluate(ctl.manager, val_rows, n=cfg.eval.n, temperature=cfg.eval.temperature,
+                       top_p=cfg.eval.top_p, seed=cfg.eval.seed, max_new_tokens=eval_len, tag=tag)
+        logger.info("eval %s: %s", tag, {k: round(v, 4) for k, v in res.items() if isinstance(v, float)})
+        return res
 
-        # 0. initial sync: the servers sample only at the trainer's weight version.
-        weight_version = 0
+    # 0. initial sync: the servers sample only at the trainer's weight version.
+    weight_version = 0
+    sync_metrics = push_weights(weight_version)
+    if cfg.eval.before_train and val_rows:
+        summary["eval_before"] = run_eval("eval_before")
+        writer.write(0, {f"eval/{k}": v for k, v in summary["eval_before"].items() if isinstance(v, float)})
+
+    progress = None
+    if t.progress_bar:
+        from tqdm import tqdm
+
+        progress = tqdm(total=t.total_training_steps, desc="RL steps", unit="step", dynamic_ncols=True)
+        stack.callback(progress.close)
+    sampling = _sampling_params(cfg)
+    total_tokens = 0
+    for step in range(1, t.total_training_steps + 1):
+        t_step = time.perf_counter()
+        timings: dict = {"timing/generate_s": 0.0, "timing/reward_s": 0.0}
+        q_hats: dict[str, float] = {}
+        generated = {"tokens": 0, "responses": 0}
+
+        # 1-3. draw prompts, rollout, reward (one generation batch per call).
+        def generate_batch(batch_idx: int):
+            rows = dataset.next_batch(gen_batch_size)
+            groups, tm = ctl.manager.generate_groups(rows, n=cfg.rollout.n, sampling_params=sampling,
+                                                     step=step, gen_batch=batch_idx)
+            for k, v in tm.items():
+                timings[k] += v
+            for g in groups:
+                k_correct, g_valid = g.num_correct, g.num_valid
+                generated["tokens"] += sum(len(s.response_ids) for s in g.samples)
+                generated["responses"] += len(g.samples)
+                if 1 <= k_correct <= g_valid - 1:
+                    q_hats[g.group_uid] = tracker.estimate(g.prompt_key, k_correct, g_valid, daa.difficulty)
+                tracker.record(g.prompt_key, k_correct, g_valid)
+            return groups
+
+        def keep(group) -> bool:
+            values = group.metric_values(fg.metric)
+            return len(values) >= 2 and max(values) > min(values)
+
+        # 4. dynamic sampling (or keep every group of one batch).
+        kept, ds_stats = collect_groups(
+            generate_batch, train_batch_size=cfg.data.train_batch_size,
+            max_num_gen_batches=fg.max_num_gen_batches, on_exhausted=fg.on_exhausted,
+            ppo_mini_batch_size=a.ppo_mini_batch_size, dp_size=pgs.dp_size, enable=fg.enable, keep_fn=keep,
+            solve_rate_fn=lambda g: g.num_correct / max(g.num_valid, 1),
+        )
+        samples = [s for g in kept for s in g.samples]
+
+        # 5. advantages, then DAA on hard prompts' correct responses.
+        t_adv = time.perf_counter()
+        rewards = torch.tensor([s.score for s in samples], dtype=torch.float64)
+        valid = torch.tensor([not s.failed for s in samples], dtype=torch.bool)
+        uids = [s.group_uid for s in samples]
+        resp_mask = None
+        if cfg.algorithm.adv_estimator == "reinforce_plus_plus_baseline":
+            width = max(len(s.response_ids) for s in samples)
+            resp_mask = torch.zeros((len(samples), width), dtype=torch.bool)
+            for i, s in enumerate(samples):
+                resp_mask[i, : len(s.response_ids)] = not s.failed
+        adv = compute_advantages(
+            cfg.algorithm.adv_estimator, rewards, uids, valid, response_mask=resp_mask,
+            grpo_std=cfg.algorithm.grpo_std, norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
+        )
+        daa_stats = {}
+        if daa.enable:
+            group_index = torch.tensor([i for i, g in enumerate(kept) for _ in g.samples], dtype=torch.long)
+            q = torch.tensor([q_hats.get(g.group_uid, 1.0) for g in kept], dtype=torch.float64)
+            eligible = torch.tensor([g.group_uid in q_hats for g in kept], dtype=torch.bool)
+            correct = torch.tensor([s.acc and not s.failed for s in samples], dtype=torch.bool)
+            adv, daa_stats = apply_daa(adv, correct, group_index, q, eligible, factor=daa.factor,
+                                       hard_threshold=daa.hard_threshold, max_factor=daa.max_factor,
+                                       gamma=daa.gamma)
+        trained = [not s.failed and not (a.mask_truncated and s.truncated) for s in samples]
+
+        # 6. old log-probs (same layout as the update), then PPO mini-batch updates.
+        batch = build_train_batch(
+            [s.prompt_ids for s in samples], [s.response_ids for s in samples],
+            advantages=adv.tolist(), rollout_logprobs=[s.rollout_logprobs for s in samples],
+            trained=trained, pad_id=pad_id,
+            pad_to_multiple_of=t.tensor_model_parallel_size if t.sequence_parallel else 1,
+        )
+        t_lp = time.perf_counter()
+        batch.old_logprobs = trainer.compute_logprobs(batch)
+        if ref_model is not None:
+            batch.ref_logprobs = trainer.compute_logprobs(batch, model=ref_model)
+        t_upd = time.perf_counter()
+        history = trainer.update(batch, mini_batch_sequences=a.ppo_mini_batch_size * cfg.rollout.n,
+                                 ppo_epochs=a.ppo_epochs)
+        t_sync = time.perf_counter()
+
+        # 7. weight sync: the servers move to the new version before the next rollout.
+        weight_version += 1
         sync_metrics = push_weights(weight_version)
-        if cfg.eval.before_train and val_rows:
-            summary["eval_before"] = run_eval("eval_before")
-            writer.write(0, {f"eval/{k}": v for k, v in summary["eval_before"].items() if isinstance(v, float)})
+        t_end = time.perf_counter()
 
-        progress = None
-        if t.progress_bar:
-            from tqdm import tqdm
-
-            progress = tqdm(total=t.total_training_steps, desc="RL steps", unit="step", dynamic_ncols=True)
-            stack.callback(progress.close)
-        sampling = _sampling_params(cfg)
-        total_tokens = 0
-        for step in range(1, t.total_training_steps + 1):
-            t_step = time.perf_counter()
-            timings: dict = {"timing/generate_s": 0.0, "timing/reward_s": 0.0}
-            q_hats: dict[str, float] = {}
-            generated = {"tokens": 0, "responses": 0}
-
-            # 1-3. draw prompts, rollout, reward (one generation batch per call).
-            def generate_batch(batch_idx: int):
-                rows = dataset.next_batch(gen_batch_size)
-                groups, tm = ctl.manager.generate_groups(rows, n=cfg.rollout.n, sampling_params=sampling,
-                                                         step=step, gen_batch=batch_idx)
-                for k, v in tm.items():
-                    timings[k] += v
-                for g in groups:
-                    k_correct, g_valid = g.num_correct, g.num_valid
-                    generated["tokens"] += sum(len(s.response_ids) for s in g.samples)
-                    generated["responses"] += len(g.samples)
-                    if 1 <= k_correct <= g_valid - 1:
-                        q_hats[g.group_uid] = tracker.estimate(g.prompt_key, k_correct, g_valid, daa.difficulty)
-                    tracker.record(g.prompt_key, k_correct, g_valid)
-                return groups
-
-            def keep(group) -> bool:
-                values = group.metric_values(fg.metric)
-                return len(values) >= 2 and max(values) > min(values)
-
-            # 4. dynamic sampling (or keep every group of one batch).
-            kept, ds_stats = collect_groups(
-                generate_batch, train_batch_size=cfg.data.train_batch_size,
-                max_num_gen_batches=fg.max_num_gen_batches, on_exhausted=fg.on_exhausted,
-                ppo_mini_batch_size=a.ppo_mini_batch_size, dp_size=pgs.dp_size, enable=fg.enable, keep_fn=keep,
-                solve_rate_fn=lambda g: g.num_correct / max(g.num_valid, 1),
+        # 8. metrics, eval, checkpoint.
+        m = _step_metrics(samples, kept, ds_stats, daa_stats, history, cfg)
+        with torch.no_grad():
+            diff = (batch.old_logprobs - batch.rollout_logprobs).abs()[batch.loss_mask]
+        m["train/rollout_logprob_abs_diff"] = float(diff.mean()) if diff.numel() else 0.0
+        total_tokens += generated["tokens"]
+        m.update(timings)
+        m.update({
+            "timing/advantage_s": t_lp - t_adv, "timing/old_logprob_s": t_upd - t_lp,
+            "timing/update_s": t_sync - t_upd, "timing/weight_sync_s": t_end - t_sync,
+            "timing/step_s": t_end - t_step,
+            "perf/generated_tokens": generated["tokens"], "perf/total_generated_tokens": total_tokens,
+            "perf/generate_tokens_per_s": generated["tokens"] / max(timings["timing/generate_s"], 1e-9),
+            "perf/train_tokens_per_s": int(batch.loss_mask.sum()) / max(t_sync - t_lp, 1e-9),
+            "weight_sync/version": weight_version,
+        })
+        m.update({k: v for k, v in sync_metrics.items() if isinstance(v, (int, float))})
+        if cfg.eval.interval and step % cfg.eval.interval == 0 and step != t.total_training_steps and val_rows:
+            ev = run_eval(f"eval_step{step}")
+            m.update({f"eval/{k}": v for k, v in ev.items() if isinstance(v, float)})
+        writer.write(step, m)
+        if progress is not None:
+            progress.update(1)
+            progress.set_postfix(acc=f"{m['train/acc']:.2f}", kept=m["train/kept_groups"],
+                                 len=f"{m['response_length/mean']:.0f}")
+        logger.info("step %d: acc %.3f score %.3f kept %d gen_batches %d loss %.4f grad_norm %.3f (%.1fs)",
+                    step, m["train/acc"], m["train/score"], m["train/kept_groups"], m["train/num_gen_batches"],
+                    m["train/loss"], m["train/grad_norm"], m["timing/step_s"])
+        if (t.save_interval and step % t.save_interval == 0) or (t.save_last and step == t.total_training_steps):
+            save_checkpoint(
+                run_dir, step, model=ddp_model, optimizer=optimizer, scheduler=scheduler,
+                run_state={"data": dataset.state_dict(), "difficulty": tracker.state_dict(),
+                           "weight_version": weight_version},
+                config_yaml=yaml.safe_dump(config_to_dict(cfg), sort_keys=False),
+                keep_last_n=t.keep_last_n_checkpoints, is_writer=is_controller,
             )
-            samples = [s for g in kept for s in g.samples]
 
-            # 5. advantages, then DAA on hard prompts' correct responses.
-            t_adv = time.perf_counter()
-            rewards = torch.tensor([s.score for s in samples], dtype=torch.float64)
-            valid = torch.tensor([not s.failed for s in samples], dtype=torch.bool)
-            uids = [s.group_uid for s in samples]
-            resp_mask = None
-            if cfg.algorithm.adv_estimator == "reinforce_plus_plus_baseline":
-                width = max(len(s.response_ids) for s in samples)
-                resp_mask = torch.zeros((len(samples), width), dtype=torch.bool)
-                for i, s in enumerate(samples):
-                    resp_mask[i, : len(s.response_ids)] = not s.failed
-            adv = compute_advantages(
-                cfg.algorithm.adv_estimator, rewards, uids, valid, response_mask=resp_mask,
-                grpo_std=cfg.algorithm.grpo_std, norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
-            )
-            daa_stats = {}
-            if daa.enable:
-                group_index = torch.tensor([i for i, g in enumerate(kept) for _ in g.samples], dtype=torch.long)
-                q = torch.tensor([q_hats.get(g.group_uid, 1.0) for g in kept], dtype=torch.float64)
-                eligible = torch.tensor([g.group_uid in q_hats for g in kept], dtype=torch.bool)
-                correct = torch.tensor([s.acc and not s.failed for s in samples], dtype=torch.bool)
-                adv, daa_stats = apply_daa(adv, correct, group_index, q, eligible, factor=daa.factor,
-                                           hard_threshold=daa.hard_threshold, max_factor=daa.max_factor,
-                                           gamma=daa.gamma)
-            trained = [not s.failed and not (a.mask_truncated and s.truncated) for s in samples]
-
-            # 6. old log-probs (same layout as the update), then PPO mini-batch updates.
-            batch = build_train_batch(
-                [s.prompt_ids for s in samples], [s.response_ids for s in samples],
-                advantages=adv.tolist(), rollout_logprobs=[s.rollout_logprobs for s in samples],
-                trained=trained, pad_id=pad_id,
-                pad_to_multiple_of=t.tensor_model_parallel_size if t.sequence_parallel else 1,
-            )
-            t_lp = time.perf_counter()
-            batch.old_logprobs = trainer.compute_logprobs(batch)
-            if ref_model is not None:
-                batch.ref_logprobs = trainer.compute_logprobs(batch, model=ref_model)
-            t_upd = time.perf_counter()
-            history = trainer.update(batch, mini_batch_sequences=a.ppo_mini_batch_size * cfg.rollout.n,
-                                     ppo_epochs=a.ppo_epochs)
-            t_sync = time.perf_counter()
-
-            # 7. weight sync: the servers move to the new version before the next rollout.
-            weight_version += 1
-            sync_metrics = push_weights(weight_version)
-            t_end = time.perf_counter()
-
-            # 8. metrics, eval, checkpoint.
-            m = _step_metrics(samples, kept, ds_stats, daa_stats, history, cfg)
-            with torch.no_grad():
-                diff = (batch.old_logprobs - batch.rollout_logprobs).abs()[batch.loss_mask]
-            m["train/rollout_logprob_abs_diff"] = float(diff.mean()) if diff.numel() else 0.0
-            total_tokens += generated["tokens"]
-            m.update(timings)
-            m.update({
-                "timing/advantage_s": t_lp - t_adv, "timing/old_logprob_s": t_upd - t_lp,
-                "timing/update_s": t_sync - t_upd, "timing/weight_sync_s": t_end - t_sync,
-                "timing/step_s": t_end - t_step,
-                "perf/generated_tokens": generated["tokens"], "perf/total_generated_tokens": total_tokens,
-                "perf/generate_tokens_per_s": generated["tokens"] / max(timings["timing/generate_s"], 1e-9),
-                "perf/train_tokens_per_s": int(batch.loss_mask.sum()) / max(t_sync - t_lp, 1e-9),
-                "weight_sync/version": weight_version,
-            })
-            m.update({k: v for k, v in sync_metrics.items() if isinstance(v, (int, float))})
-            if cfg.eval.interval and step % cfg.eval.interval == 0 and step != t.total_training_steps and val_rows:
-                ev = run_eval(f"eval_step{step}")
-                m.update({f"eval/{k}": v for k, v in ev.items() if isinstance(v, float)})
-            writer.write(step, m)
-            if progress is not None:
-                progress.update(1)
-                progress.set_postfix(acc=f"{m['train/acc']:.2f}", kept=m["train/kept_groups"],
-                                     len=f"{m['response_length/mean']:.0f}")
-            logger.info("step %d: acc %.3f score %.3f kept %d gen_batches %d loss %.4f grad_norm %.3f (%.1fs)",
-                        step, m["train/acc"], m["train/score"], m["train/kept_groups"], m["train/num_gen_batches"],
-                        m["train/loss"], m["train/grad_norm"], m["timing/step_s"])
-            if (t.save_interval and step % t.save_interval == 0) or (t.save_last and step == t.total_training_steps):
-                save_checkpoint(
-                    run_dir, step, model=ddp_model, optimizer=optimizer, scheduler=scheduler,
-                    run_state={"data": dataset.state_dict(), "difficulty": tracker.state_dict(),
-                               "weight_version": weight_version},
-                    config_yaml=yaml.safe_dump(config_to_dict(cfg), sort_keys=False),
-                    keep_last_n=t.keep_last_n_checkpoints, is_writer=is_controller,
-                )
-
-        if cfg.eval.after_train and val_rows:
-            summary["eval_after"] = run_eval("eval_after")
-            writer.write(t.total_training_steps,
-                         {f"eval/{k}": v for k, v in summary["eval_after"].items() if isinstance(v, float)})
+    if cfg.eval.after_train and val_rows:
+        summary["eval_after"] = run_eval("eval_after")
+        writer.write(t.total_training_steps,
+                     {f"eval/{k}": v for k, v in summary["eval_after"].items() if isinstance(v, float)})
     summary["steps"] = t.total_training_steps
     summary["wall_s"] = time.perf_counter() - t_start
     summary["total_generated_tokens"] = total_tokens
@@ -378,7 +421,6 @@ def run_training(cfg: Config) -> dict:
         n = cfg.eval.n
         summary["delta_avg@%d" % n] = summary["eval_after"][f"avg@{n}"] - summary["eval_before"][f"avg@{n}"]
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
-    destroy_parallel()
     logger.info("done in %.1fs; summary in %s", summary["wall_s"], run_dir / "summary.json")
     return summary
 
