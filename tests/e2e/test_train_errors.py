@@ -1,0 +1,84 @@
+"""`megatron-rl train` on bad input: clear errors, no orphan servers (issue: main job, 'Done when')."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKENIZER = ROOT / "examples" / "tiny" / "data" / "tokenizer"
+TRAIN = ROOT / "examples" / "tiny" / "data" / "train.jsonl"
+TEST = ROOT / "examples" / "tiny" / "data" / "test.jsonl"
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def random_model(tmp_path_factory):
+    """A random 2-layer Qwen2 with the tiny task's tokenizer, saved in HF format."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    out = tmp_path_factory.mktemp("random_model")
+    tok = AutoTokenizer.from_pretrained(TOKENIZER)
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      bos_token_id=None)
+    Qwen2ForCausalLM(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def _train(args, run_dir, timeout=420):
+    cmd = [sys.executable, "-m", "megatron_rl.cli", "train", "--config", str(ROOT / "examples" / "tiny" / "ci.yaml"),
+           f"run_dir={run_dir}", "trainer.progress_bar=false", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def _no_server_left(run_dir: Path) -> bool:
+    out = subprocess.run(["pgrep", "-f", f"rollout.server.*{run_dir}"], capture_output=True, text=True)
+    return out.stdout.strip() == ""
+
+
+def test_row_without_ground_truth_names_file_and_row(tmp_path, random_model):
+    bad = tmp_path / "bad.jsonl"
+    rows = [json.loads(line) for line in TRAIN.read_text().splitlines()[:3]]
+    del rows[1]["reward_model"]["ground_truth"]
+    bad.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = _train([f"model.path={random_model}", f"data.train_files=[{bad}]"], tmp_path / "run")
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert str(bad) in out.stderr
+    assert ":2" in out.stderr or "line 2" in out.stderr or "row 2" in out.stderr
+    assert "ground_truth" in out.stderr
+
+
+def test_dynamic_sampling_that_keeps_nothing(tmp_path, random_model):
+    # greedy sampling: every group's responses are identical, so no group has reward variance
+    run_dir = tmp_path / "run"
+    out = _train([f"model.path={random_model}", "rollout.temperature=0.0", "algorithm.filter_groups.enable=true",
+                  "algorithm.filter_groups.max_num_gen_batches=2", "algorithm.filter_groups.on_exhausted=error",
+                  "eval.before_train=false", "eval.after_train=false"], run_dir)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "DynamicSamplingExhausted" in out.stderr
+    assert "after 2 generation batches" in out.stderr
+    assert _no_server_left(run_dir)
+
+
+def test_server_that_does_not_come_up_shows_its_log(tmp_path, random_model):
+    run_dir = tmp_path / "run"
+    out = _train([f"model.path={random_model}", "rollout.startup_timeout_s=0.5"], run_dir)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "RolloutServerError" in out.stderr
+    assert "rollout_server_0.log" in out.stderr  # the message points at, and quotes, the server's log
+    assert _no_server_left(run_dir)
+
+
+def test_unknown_config_key_suggests(tmp_path):
+    out = _train(["actor.clip_ratio_hgh=0.3"], tmp_path / "run")
+    assert out.returncode == 2
+    assert "did you mean 'actor.clip_ratio_high'" in out.stderr
