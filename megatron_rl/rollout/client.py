@@ -15,6 +15,7 @@ the number of log-probs and ``completion_tokens`` agree, and records where the s
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -179,11 +180,13 @@ class RolloutClient:
         timeout_s: default timeout of every call, seconds (``generate`` and the weight-update
             calls take their own).
         max_retries: retries of calls that never reached the server (see the module docstring).
-        transport: an ``httpx`` transport (tests use ``httpx.MockTransport``).
+        transport: an ``httpx`` transport (tests use ``httpx.MockTransport``), shared by all threads.
 
     Errors: every method raises ``RolloutServerError`` when the server cannot be reached, answers
     with an HTTP error, or answers ``success: false``; ``ValueError`` for bad arguments.
-    Thread-safe: one client may serve many threads (``generate_many`` does).
+    Thread-safe: one client may serve many threads (``generate_many`` does); each thread gets its
+    own connection pool (a shared httpcore pool can close a connection under another thread's
+    request, which then hangs until its read timeout).
     """
 
     def __init__(
@@ -209,19 +212,52 @@ class RolloutClient:
         self.max_retries = max_retries
         self._api_key = api_key
         self._admin_api_key = admin_api_key
-        self._http = httpx.Client(
-            base_url=self.base_url,
-            timeout=timeout_s,
-            transport=transport,
-            limits=httpx.Limits(max_connections=512, max_keepalive_connections=64),
-        )
+        self._transport = transport
+        # One httpx.Client (one connection pool) per calling thread, never shared: httpcore's pool
+        # closes connections it sees as idle outside its lock, so a pool shared by many threads can
+        # close a connection another thread was just given and is already waiting on (the socket is
+        # closed under a blocked recv; its fd is reused, and the request hangs until the read
+        # timeout even though the server answered: encode/httpcore#1110). A pool used by one
+        # thread cannot race with itself.
+        self._clients_lock = threading.Lock()
+        self._clients: dict[threading.Thread, httpx.Client] = {}
+        self._closed = False
 
     def __repr__(self) -> str:  # never show keys
         return f"RolloutClient({self.base_url!r})"
 
+    @property
+    def _http(self) -> httpx.Client:
+        """This thread's ``httpx.Client`` (created on first use; those of finished threads are closed)."""
+        me = threading.current_thread()
+        http = self._clients.get(me)
+        if http is not None:
+            return http
+        with self._clients_lock:
+            if self._closed:
+                raise RolloutServerError(f"{self!r} is closed", url=self.base_url)
+            for t in [t for t in self._clients if not t.is_alive()]:
+                stale = self._clients.pop(t)
+                if self._transport is None:  # a caller's transport is shared: closed once, by close()
+                    stale.close()
+            http = self._clients[me] = httpx.Client(
+                base_url=self.base_url,
+                timeout=self.timeout_s,
+                transport=self._transport,
+                # one thread: one request at a time; keep its connection alive between calls
+                limits=httpx.Limits(max_connections=4, max_keepalive_connections=4),
+            )
+        return http
+
     def close(self) -> None:
-        """Close the connection pool."""
-        self._http.close()
+        """Close the connection pools (of every thread that used this client)."""
+        with self._clients_lock:
+            self._closed = True
+            clients, self._clients = list(self._clients.values()), {}
+        for http in clients:
+            http.close()
+        if self._transport is not None:
+            self._transport.close()
 
     def __enter__(self) -> RolloutClient:
         return self

@@ -294,6 +294,9 @@ class GenerationEngine:
         self._cv = threading.Condition()
         self._queue: deque[_Request] = deque()
         self._batch: _Batch | None = None
+        # Requests taken from the queue for the prefill now running: in neither the queue nor the
+        # batch until the step ends, yet pause(abort) and abort() must reach them.
+        self._prefilling: list[_Request] = []
         self._paused = False
         self._pause_mode = "abort"
         self._stepping = False
@@ -345,8 +348,7 @@ class GenerationEngine:
             return 0
         with self._cv:
             count = 0
-            live = list(self._queue) + (self._batch.reqs if self._batch else [])
-            for req in live:
+            for req in self._live():
                 if req.finish_reason is None and (abort_all or req.rid.startswith(rid)):
                     req.abort_requested = True
                     count += 1
@@ -363,7 +365,7 @@ class GenerationEngine:
             self._paused = True
             self._pause_mode = mode
             if mode == "abort":
-                for req in list(self._queue) + (self._batch.reqs if self._batch else []):
+                for req in self._live():
                     req.abort_requested = True
             self._cv.notify_all()
         self._wait_boundary()
@@ -434,6 +436,10 @@ class GenerationEngine:
 
     # ---- scheduler ----------------------------------------------------------------------
 
+    def _live(self) -> list[_Request]:
+        """Under ``_cv``: every request not finished yet (queued, being prefilled, running)."""
+        return list(self._queue) + self._prefilling + (self._batch.reqs if self._batch else [])
+
     def _wait_boundary(self) -> None:
         # Wait until the step running when the caller changed state is over; the scheduler
         # applies the change (abort, retract, pause) before it starts another step.
@@ -486,7 +492,8 @@ class GenerationEngine:
                 room = self.max_batch_size - running if (running == 0 or self._mergeable) else 0
                 if self._queue and room > 0:  # new requests join at this step boundary
                     self._stepping = True
-                    return [], [self._queue.popleft() for _ in range(min(room, len(self._queue)))], False
+                    self._prefilling = [self._queue.popleft() for _ in range(min(room, len(self._queue)))]
+                    return [], list(self._prefilling), False
                 if self._batch is not None:
                     self._stepping = True
                     return [], None, False
@@ -527,6 +534,7 @@ class GenerationEngine:
                 ]
             with self._cv:
                 self._stepping = False
+                self._prefilling = []
                 self._cv.notify_all()
             for req, reason in finished:
                 self._finish(req, reason)
