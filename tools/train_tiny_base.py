@@ -35,7 +35,7 @@ logger = logging.getLogger("train_tiny_base")
 
 # SFT examples a level and the fraction of them with a wrong (perturbed) solution.
 DEFAULT_COUNTS = {1: 4000, 2: 8000, 3: 8000, 4: 10000, 5: 10000}
-DEFAULT_NOISE = {1: 0.0, 2: 0.05, 3: 0.15, 4: 0.5, 5: 0.6}
+DEFAULT_NOISE = {1: 0.1, 2: 0.3, 3: 0.45, 4: 0.6, 5: 0.7}
 
 
 def model_config(vocab_size: int, eos_id: int, pad_id: int, args: argparse.Namespace):
