@@ -285,6 +285,16 @@ def environment_checks(cfg: Config) -> list[tuple[str, callable]]:
                 f"{t.pipeline_model_parallel_size}*{t.context_parallel_size}"
             )
 
+    def single_process() -> None:
+        # The loop trains in one process in this release; TP/PP/DP launch is the 3D-parallel issue.
+        world = int(os.environ.get("WORLD_SIZE", t.nproc_per_node))
+        layout = (t.tensor_model_parallel_size, t.pipeline_model_parallel_size, t.context_parallel_size)
+        if world != 1 or layout != (1, 1, 1):
+            raise RuntimeError(
+                f"this release trains in one process; got world size {world} and TP/PP/CP {layout}. "
+                "Set trainer.nproc_per_node=1 and the parallel sizes to 1 (multi-process training is not supported yet)"
+            )
+
     def fp8() -> None:
         if t.fp8 is None:
             return
@@ -319,6 +329,7 @@ def environment_checks(cfg: Config) -> list[tuple[str, callable]]:
 
     return [
         ("world size divisible by TP*PP*CP", world_size),
+        ("one trainer process (multi-process training is not supported yet)", single_process),
         ("data files exist", data_files),
         ("Transformer Engine and a Hopper GPU for FP8", fp8),
         ("model.path holds a Hugging Face model", model_files),

@@ -191,10 +191,6 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
         timeout_s=int(t.distributed_timeout_s), seed=t.seed,
     )
     stack.callback(destroy_parallel)
-    if pgs.world_size != 1:
-        raise NotImplementedError(
-            "multi-process training (TP/PP/DP > 1) is not wired into the loop yet; run with world size 1"
-        )
     if is_controller:
         save_config(cfg, run_dir / "config.yaml")
     torch.manual_seed(t.seed)

@@ -121,3 +121,14 @@ def test_dry_run_bad_key_exits_2():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert "unknown config key 'actor.bogus'" in out.stderr
+
+
+def test_multi_process_layout_is_a_clear_launch_error(monkeypatch):
+    from megatron_rl.config import environment_checks
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    cfg = load_config(None, BASE + ["trainer.nproc_per_node=2", "trainer.tensor_model_parallel_size=2"])
+    checks = dict(environment_checks(cfg))
+    check = next(fn for desc, fn in checks.items() if desc.startswith("one trainer process"))
+    with pytest.raises(RuntimeError, match="trains in one process.*TP/PP/CP \\(2, 1, 1\\)"):
+        check()
