@@ -24,6 +24,8 @@ import httpcore
 import pytest
 import torch
 
+from tests.e2e.random_qwen2 import save_random_qwen2
+
 from megatron_rl.rollout.client import RolloutClient
 from megatron_rl.rollout.errors import RolloutServerError
 from megatron_rl.rollout.launcher import launch_rollout_server
@@ -32,25 +34,7 @@ EOS = 2
 
 
 def _save_tiny_qwen2(path):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    cfg = Qwen2Config(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        eos_token_id=EOS,
-        bos_token_id=1,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-        initializer_range=0.3,
-    )
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(cfg).save_pretrained(path)
-    return path
+    return save_random_qwen2(path, vocab_size=128, hidden_size=32, intermediate_size=64)
 
 
 @pytest.fixture(scope="module")

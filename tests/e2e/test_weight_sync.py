@@ -13,6 +13,8 @@ import traceback
 
 import pytest
 import torch
+
+from tests.e2e.random_qwen2 import save_random_qwen2
 import torch.multiprocessing as mp
 
 from megatron_rl.rollout.launcher import find_free_port, launch_rollout_server
@@ -23,24 +25,7 @@ PROMPTS = [[5, 6, 7], [11, 3, 90, 17, 4], [100]]
 
 def _save_model(path):
     """A 2-layer Qwen2 of 2.28 MiB in float32 (embeddings and lm_head 1 MiB each: 3 buckets of 1 MiB)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    cfg = Qwen2Config(
-        vocab_size=4096,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        eos_token_id=EOS,
-        bos_token_id=1,
-        pad_token_id=0,
-        tie_word_embeddings=False,
-        initializer_range=0.3,
-    )
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(cfg).save_pretrained(path)
+    return save_random_qwen2(path, vocab_size=4096, hidden_size=64, intermediate_size=128)
 
 
 def _greedy(model, prompt, n=12):
