@@ -36,10 +36,13 @@ def _train(argv: list[str]) -> int:
         return 0
     from megatron_rl.algorithms.dynamic_sampling import DynamicSamplingExhausted
     from megatron_rl.rollout.errors import RolloutServerError, WeightSyncError
-    from megatron_rl.trainer.loop import run_training
+    from megatron_rl.trainer.loop import TrainingInterrupted, run_training
 
     try:
         summary = run_training(cfg)
+    except TrainingInterrupted as e:
+        print(f"megatron-rl train: {e}", file=sys.stderr)
+        return 75  # EX_TEMPFAIL: not finished, resumable
     except (ValueError, FileNotFoundError, RuntimeError, RolloutServerError, WeightSyncError,
             DynamicSamplingExhausted) as e:
         import traceback

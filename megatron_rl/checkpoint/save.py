@@ -20,6 +20,51 @@ import torch
 logger = logging.getLogger(__name__)
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
+RUN_STATE_FILE = "run_state.json"
+# The distributed optimizer's per-parameter format: reshardable across TP/PP/DP layouts.
+SHARDING_METADATA = {"distrib_optim_sharding_type": "fully_sharded_model_space", "chained_optim_avoid_prefix": True,
+                     "singleton_local_shards": False}
+
+
+def _unwrap(m):
+    from megatron.core.distributed import DistributedDataParallel
+
+    return m.module if isinstance(m, DistributedDataParallel) else m
+
+
+def _model_sharded_state_dict(model) -> dict:
+    """Megatron-LM's layout: key `model` (or `model{i}` per virtual-pipeline chunk), tensor keys
+    without the DDP wrapper's `module.` prefix (`decoder.layers.0.self_attention...`)."""
+    return {f"model{i}" if len(model) > 1 else "model": _unwrap(m).sharded_state_dict(metadata=dict(SHARDING_METADATA))
+            for i, m in enumerate(model)}
+
+
+def capture_rng_state() -> dict:
+    """Python, NumPy and torch CPU RNG states as JSON-serialisable values."""
+    import random
+
+    import numpy as np
+
+    py = random.getstate()
+    np_state = np.random.get_state()
+    return {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "torch": torch.get_rng_state().tolist(),
+    }
+
+
+def restore_rng_state(state: dict) -> None:
+    """Inverse of `capture_rng_state`."""
+    import random
+
+    import numpy as np
+
+    py = state["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    n = state["numpy"]
+    np.random.set_state((n[0], np.asarray(n[1], dtype=np.uint32), n[2], n[3], n[4]))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
 
 
 def checkpoint_dir(run_dir: str | os.PathLike, step: int) -> Path:
@@ -46,18 +91,16 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model, optimizer, 
 
     ckpt = checkpoint_dir(run_dir, step)
     (ckpt / "model_optim").mkdir(parents=True, exist_ok=True)
-    model_sd = {}
-    for i, m in enumerate(model):
-        model_sd[f"model{i}" if len(model) > 1 else "model"] = m.sharded_state_dict()
+    model_sd = _model_sharded_state_dict(model)
     sharded = dict(model_sd)
-    sharded["optimizer"] = optimizer.sharded_state_dict(model_sd)
-    dist_checkpointing.save(sharded, str(ckpt / "model_optim"))
+    sharded["optimizer"] = optimizer.sharded_state_dict(model_sd, metadata=dict(SHARDING_METADATA))
+    dist_checkpointing.save(sharded, str(ckpt / "model_optim"), content_metadata=dict(SHARDING_METADATA))
     if is_writer:
         state = dict(run_state)
         state["step"] = step
         state["scheduler"] = scheduler.state_dict()
-        state["torch_rng_state"] = torch.get_rng_state().tolist()
-        (ckpt / "run_state.json").write_text(json.dumps(state))
+        state["rng"] = capture_rng_state()
+        (ckpt / RUN_STATE_FILE).write_text(json.dumps(state))
         (ckpt / "config.yaml").write_text(config_yaml)
         tmp = Path(run_dir) / "checkpoints" / (LATEST_FILE + ".tmp")
         tmp.write_text(str(step))
@@ -67,18 +110,111 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model, optimizer, 
     return ckpt
 
 
+def is_complete(ckpt: Path) -> bool:
+    """A checkpoint folder is complete when its run state (written after the tensors) and the
+    dist-checkpoint metadata are both there."""
+    return (ckpt / RUN_STATE_FILE).is_file() and (ckpt / "model_optim" / "metadata.json").is_file()
+
+
 def latest_checkpoint(run_dir: str | os.PathLike) -> Optional[int]:
-    """Step named by `latest_checkpointed_iteration.txt`, or None when there is none."""
-    marker = Path(run_dir) / "checkpoints" / LATEST_FILE
-    if not marker.is_file():
+    """The step to resume from, or None when `<run_dir>/checkpoints` holds no complete checkpoint.
+
+    `latest_checkpointed_iteration.txt` (written last) names it. Folders of later steps that it does
+    not name are half-written (the run died while saving) and are ignored with a warning. When the
+    marker is missing or names an incomplete folder (it was deleted or damaged by hand), the newest
+    complete folder is used, with a warning.
+
+    Raises:
+        ValueError: the marker holds something other than an iteration number.
+    """
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
         return None
-    text = marker.read_text().strip()
-    if not text.isdigit():
-        raise ValueError(f"{marker}: expected an iteration number, got {text!r}")
-    return int(text)
+    steps = sorted(int(p.name[5:]) for p in root.glob("iter_*") if p.name[5:].isdigit())
+    marker = root / LATEST_FILE
+    named = None
+    if marker.is_file():
+        text = marker.read_text().strip()
+        if not text.isdigit():
+            raise ValueError(f"{marker}: expected an iteration number, got {text!r}")
+        named = int(text)
+        if is_complete(checkpoint_dir(run_dir, named)):
+            for s in steps:
+                if s > named:
+                    logger.warning("ignoring %s: written after %s named %d (incomplete save)",
+                                   checkpoint_dir(run_dir, s), LATEST_FILE, named)
+            return named
+        logger.warning("%s names step %d but %s is incomplete or missing", marker, named, checkpoint_dir(run_dir, named))
+    complete = [s for s in steps if is_complete(checkpoint_dir(run_dir, s))]
+    for s in steps:
+        if s not in complete:
+            logger.warning("ignoring incomplete checkpoint %s", checkpoint_dir(run_dir, s))
+    if complete:
+        logger.warning("resuming from the newest complete checkpoint, step %d", complete[-1])
+        return complete[-1]
+    return None
+
+
+def load_checkpoint(run_dir: str | os.PathLike, step: int, *, model, optimizer, scheduler,
+                    load_optimizer: bool = True) -> dict:
+    """Load checkpoint `step` into `model`, `optimizer` and `scheduler`; every rank calls it.
+
+    The tensors are resharded by megatron-core's dist_checkpointing, so the trainer's TP/PP/DP
+    layout may differ from the one that saved it. RNG states are restored.
+
+    Returns:
+        The run state saved with it (`step`, `data`, `difficulty`, `weight_version`, ...).
+
+    Raises:
+        FileNotFoundError: the checkpoint folder or its run state is missing.
+        ValueError: a tensor of the checkpoint does not match the model (names the tensor and both
+            shapes), e.g. a checkpoint of another model size.
+    """
+    from megatron.core import dist_checkpointing
+
+    ckpt = checkpoint_dir(run_dir, step)
+    if not is_complete(ckpt):
+        raise FileNotFoundError(f"{ckpt}: not a complete checkpoint (needs {RUN_STATE_FILE} and model_optim/metadata.json)")
+    state = json.loads((ckpt / RUN_STATE_FILE).read_text())
+    model_sd = _model_sharded_state_dict(model)
+    _check_shapes(model_sd, ckpt / "model_optim")
+    sharded = dict(model_sd)
+    if load_optimizer:
+        sharded["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=dict(SHARDING_METADATA))
+    loaded = dist_checkpointing.load(sharded, str(ckpt / "model_optim"))
+    for i, m in enumerate(model):
+        _unwrap(m).load_state_dict(loaded[f"model{i}" if len(model) > 1 else "model"], strict=True)
+    if load_optimizer:
+        optimizer.load_state_dict(loaded["optimizer"])
+    else:
+        optimizer.reload_model_params()
+    scheduler.load_state_dict(state["scheduler"])
+    if "rng" in state:
+        restore_rng_state(state["rng"])
+    logger.info("loaded checkpoint %s (step %d)", ckpt, step)
+    return state
+
+
+def _check_shapes(model_sd: dict, path: Path) -> None:
+    """Compare the model's global tensor shapes with the checkpoint's, before loading."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    saved = dist_checkpointing.load_tensors_metadata(str(path))
+    for sh in nested_values(model_sd):
+        if not isinstance(sh, ShardedTensor):
+            continue
+        other = saved.get(sh.key)
+        if other is None:
+            raise ValueError(f"checkpoint {path} has no tensor {sh.key!r} (model shape {tuple(sh.global_shape)}); "
+                             "was it written for another architecture?")
+        if tuple(other.global_shape) != tuple(sh.global_shape):
+            raise ValueError(f"checkpoint {path}: tensor {sh.key!r} has shape {tuple(other.global_shape)}, "
+                             f"the model expects {tuple(sh.global_shape)}")
 
 
 def _prune(root: Path, keep_last_n: int) -> None:
-    steps = sorted(int(p.name[5:]) for p in root.glob("iter_*") if p.name[5:].isdigit())
+    steps = sorted(int(p.name[5:]) for p in root.glob("iter_*") if p.name[5:].isdigit() and is_complete(p))
     for step in steps[:-keep_last_n]:
         shutil.rmtree(root / f"iter_{step:07d}", ignore_errors=True)

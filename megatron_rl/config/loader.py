@@ -322,6 +322,16 @@ def environment_checks(cfg: Config) -> list[tuple[str, callable]]:
             for url in cfg.rollout.server_urls:
                 RolloutClient(url, api_key=cfg.rollout.api_key, timeout_s=10).health()
 
+    def run_dir_state() -> None:
+        from megatron_rl.checkpoint.save import latest_checkpoint
+
+        if t.resume_mode == "disable" and latest_checkpoint(cfg.run_dir) is not None:
+            raise RuntimeError(
+                f"run_dir {cfg.run_dir} holds checkpoints of an earlier run (latest step "
+                f"{latest_checkpoint(cfg.run_dir)}) and trainer.resume_mode is disable: use another run_dir, "
+                f"delete {cfg.run_dir}/checkpoints, or set trainer.resume_mode=auto to continue it"
+            )
+
     def data_files() -> None:
         for f in list(cfg.data.train_files) + list(cfg.data.val_files):
             if not Path(f).is_file():
@@ -329,6 +339,7 @@ def environment_checks(cfg: Config) -> list[tuple[str, callable]]:
 
     return [
         ("world size divisible by TP*PP*CP", world_size),
+        ("run_dir free of an earlier run's checkpoints when trainer.resume_mode is disable", run_dir_state),
         ("one trainer process (multi-process training is not supported yet)", single_process),
         ("data files exist", data_files),
         ("Transformer Engine and a Hopper GPU for FP8", fp8),

@@ -334,6 +334,12 @@ class TrainerConfig:
     save_last: bool = True
     """Write a checkpoint after the last step."""
     keep_last_n_checkpoints: int = 2
+    resume_mode: str = "auto"
+    """auto: continue from the latest complete checkpoint in `<run_dir>/checkpoints` if there is
+    one (verl's name) | disable: start over (refused when the run dir already holds checkpoints)."""
+    exit_signal_handler: bool = True
+    """On SIGTERM or SIGUSR1 finish the current step, write a checkpoint and exit (code 75) so that
+    a requeued job resumes from it; a second signal exits at once."""
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     context_parallel_size: int = 1
@@ -367,6 +373,7 @@ class TrainerConfig:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size", "nproc_per_node"):
             _positive("trainer", name, getattr(self, name))
         _choice("trainer", "precision", self.precision, ("fp32", "bf16"))
+        _choice("trainer", "resume_mode", self.resume_mode, ("auto", "disable"))
         _choice("trainer", "fp8", self.fp8, (None, "hybrid", "e4m3"))
         _choice("trainer", "fp8_recipe", self.fp8_recipe, ("delayed", "tensorwise", "blockwise", "mxfp8"))
         _choice("trainer", "recompute", self.recompute, (None, "selective", "full"))

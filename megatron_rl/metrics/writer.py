@@ -20,20 +20,35 @@ class MetricsWriter:
         tensorboard: also write TensorBoard events under `<run_dir>/tensorboard`.
         wandb_project: log to Weights & Biases when set and `wandb` is installed (its key comes
             from the environment and is never written here).
-        resume: append to an existing metrics.jsonl instead of truncating it.
+        resume_from_step: a run resumed from the checkpoint of this step: metrics.jsonl keeps its
+            rows up to this step (later ones were written after the checkpoint and are redone),
+            TensorBoard purges later events. None: a new run, metrics.jsonl is truncated.
     """
 
     def __init__(self, run_dir: str | os.PathLike, *, tensorboard: bool = True,
-                 wandb_project: Optional[str] = None, resume: bool = False) -> None:
+                 wandb_project: Optional[str] = None, resume_from_step: Optional[int] = None) -> None:
         self.path = Path(run_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh = open(self.path, "a" if resume else "w")
+        if resume_from_step is not None and self.path.is_file():
+            kept = []
+            for line in self.path.read_text().splitlines():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:  # a line cut by the crash
+                    continue
+                if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= resume_from_step:
+                    kept.append(line + "\n")
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(kept))
+            os.replace(tmp, self.path)
+        self._fh = open(self.path, "a" if resume_from_step is not None else "w")
         self._tb = None
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+                purge = resume_from_step + 1 if resume_from_step is not None else None
+                self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=purge)
             except ImportError:  # tensorboard is a dependency; keep JSONL working without it
                 logger.warning("tensorboard is not installed; metrics go to %s only", self.path)
         self._wandb = None

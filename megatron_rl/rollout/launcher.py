@@ -162,6 +162,8 @@ def launch_rollout_server(
             host,
             "--port",
             str(chosen),
+            "--parent-pid",
+            str(os.getpid()),
             *extra_args,
         ]
         logger.info("starting rollout server on %s:%d (log %s)", host, chosen, path)

@@ -46,6 +46,7 @@ import asyncio
 import hmac
 import json
 import logging
+import os
 import random
 import sys
 import threading
@@ -1358,7 +1359,37 @@ def build_arg_parser() -> argparse.ArgumentParser:
         help="rendezvous and broadcast timeout of weight-update groups",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--parent-pid",
+        type=int,
+        default=None,
+        help="exit when this process dies (the trainer that launched the server; SGLang's watchdog does the same)",
+    )
     return p
+
+
+def _watch_parent(parent_pid: int, interval_s: float = 1.0) -> None:
+    """Daemon thread: once `parent_pid` is gone (killed with SIGKILL, so it could not stop us),
+    send ourselves SIGTERM for a clean shutdown, and exit hard 10 s later if that hangs."""
+    import signal
+
+    def run() -> None:
+        while True:
+            time.sleep(interval_s)
+            try:
+                os.kill(parent_pid, 0)
+                alive = os.getppid() == parent_pid
+            except ProcessLookupError:
+                alive = False
+            except PermissionError:  # exists, owned by someone else: not our parent any more
+                alive = os.getppid() == parent_pid
+            if not alive:
+                logger.warning("parent process %d is gone; shutting down", parent_pid)
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(10)
+                os._exit(1)
+
+    threading.Thread(target=run, name="parent-watchdog", daemon=True).start()
 
 
 def _load_model(model_path: str, dtype: str, attn_implementation: str):
@@ -1396,6 +1427,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     import uvicorn
 
+    if args.parent_pid is not None:
+        _watch_parent(args.parent_pid)
     torch.manual_seed(args.random_seed)
     logger.info("loading %s (dtype=%s)", args.model_path, args.dtype)
     model, torch_dtype, eos = _load_model(args.model_path, args.dtype, args.attn_implementation)

@@ -128,6 +128,85 @@ class _Controller:
         stack.callback(self.sender.destroy)
 
 
+class TrainingInterrupted(Exception):
+    """The run stopped on SIGTERM/SIGUSR1 after writing the checkpoint of `step` (resume by rerunning)."""
+
+    def __init__(self, step: int, run_dir: Path) -> None:
+        super().__init__(f"stopped by a signal after step {step}; checkpoint in {run_dir}/checkpoints; "
+                         "rerun the same command to resume")
+        self.step = step
+
+
+class _ExitSignal:
+    """SIGTERM / SIGUSR1 set a flag that the loop checks after each step (Megatron-LM's
+    `--exit-signal-handler`, Slurm's `--signal=USR1@T`); a second signal restores the default
+    action and re-raises it, so a stuck run can still be stopped."""
+
+    SIGNALS = ("SIGTERM", "SIGUSR1")
+
+    def __init__(self, enabled: bool) -> None:
+        import signal
+        import threading
+
+        self.signal_name: str | None = None
+        self._previous: dict = {}
+        if not enabled or threading.current_thread() is not threading.main_thread():
+            return
+        for name in self.SIGNALS:
+            sig = getattr(signal, name, None)
+            if sig is not None:
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        import signal
+
+        if self.signal_name is not None:  # second signal: stop now
+            self.restore()
+            os.kill(os.getpid(), signum)
+            return
+        self.signal_name = signal.Signals(signum).name
+        logger.warning("%s received: finishing the current step, then checkpoint and exit", self.signal_name)
+
+    def requested(self) -> bool:
+        """True on every rank when any rank got a signal (a MAX all-reduce when world size > 1)."""
+        flag = self.signal_name is not None
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            t = torch.tensor([int(flag)])
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+            flag = bool(t.item())
+            if flag and self.signal_name is None:
+                self.signal_name = "signal on another rank"
+        return flag
+
+    def restore(self) -> None:
+        import signal
+
+        for sig, prev in self._previous.items():
+            signal.signal(sig, prev)
+        self._previous = {}
+
+
+def _warn_config_changes(cfg: Config, saved_path: Path) -> None:
+    """Log the keys whose values differ from the config the checkpoint was written with."""
+    if not saved_path.is_file():
+        return
+    saved = yaml.safe_load(saved_path.read_text()) or {}
+
+    def flat(d, prefix=""):
+        out = {}
+        for k, v in d.items():
+            if isinstance(v, dict):
+                out.update(flat(v, f"{prefix}{k}."))
+            else:
+                out[f"{prefix}{k}"] = v
+        return out
+
+    old, new = flat(saved), flat(config_to_dict(cfg))
+    for key in sorted(set(old) | set(new)):
+        if old.get(key) != new.get(key) and "api_key" not in key:
+            logger.warning("resuming with a changed setting %s: %r (checkpoint) -> %r (now)", key, old.get(key), new.get(key))
+
+
 def _sampling_params(cfg: Config) -> dict:
     p = {"temperature": cfg.rollout.temperature, "top_p": cfg.rollout.top_p}
     if cfg.rollout.top_k != -1:
@@ -159,7 +238,7 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
     from megatron_rl.algorithms.advantages import compute_advantages
     from megatron_rl.algorithms.daa import DifficultyTracker, apply_daa
     from megatron_rl.algorithms.dynamic_sampling import collect_groups
-    from megatron_rl.checkpoint.save import save_checkpoint
+    from megatron_rl.checkpoint.save import latest_checkpoint, load_checkpoint, save_checkpoint
     from megatron_rl.data.dataset import PromptDataset, load_rows
     from megatron_rl.eval.evaluate import evaluate
     from megatron_rl.metrics.writer import MetricsWriter
@@ -258,9 +337,28 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
     eval_len = cfg.eval.max_response_length or cfg.data.max_response_length
 
     summary: dict = {"run_dir": str(run_dir), "config": config_to_dict(cfg)}
+    weight_version, total_tokens, start_step, wall_before = 0, 0, 1, 0.0
+    resumed_from = latest_checkpoint(run_dir) if t.resume_mode == "auto" else None
+    if resumed_from is not None:
+        # Exact resume: weights, optimizer, scheduler, RNG, data cursor, difficulty history.
+        state = load_checkpoint(run_dir, resumed_from, model=ddp_model, optimizer=optimizer, scheduler=scheduler)
+        _warn_config_changes(cfg, run_dir / "checkpoints" / f"iter_{resumed_from:07d}" / "config.yaml")
+        dataset.load_state_dict(state["data"])
+        tracker.load_state_dict(state["difficulty"])
+        weight_version = int(state["weight_version"])
+        total_tokens = int(state.get("total_generated_tokens", 0))
+        wall_before = float(state.get("wall_s", 0.0))
+        if "eval_before" in state:
+            summary["eval_before"] = state["eval_before"]
+        start_step = resumed_from + 1
+        summary["resumed_from_step"] = resumed_from
+        logger.info("resuming from step %d (%s); next step %d", resumed_from, run_dir / "checkpoints", start_step)
     ctl.connect(tokenizer)
-    writer = MetricsWriter(run_dir, tensorboard=t.tensorboard, wandb_project="megatron-rl" if t.wandb else None)
+    writer = MetricsWriter(run_dir, tensorboard=t.tensorboard, wandb_project="megatron-rl" if t.wandb else None,
+                           resume_from_step=resumed_from)
     stack.callback(writer.close)
+    stop = _ExitSignal(enabled=t.exit_signal_handler)
+    stack.callback(stop.restore)
 
     def push_weights(version: int) -> dict:
         with torch.no_grad():
@@ -273,9 +371,8 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
         return res
 
     # 0. initial sync: the servers sample only at the trainer's weight version.
-    weight_version = 0
     sync_metrics = push_weights(weight_version)
-    if cfg.eval.before_train and val_rows:
+    if cfg.eval.before_train and val_rows and resumed_from is None:
         summary["eval_before"] = run_eval("eval_before")
         writer.write(0, {f"eval/{k}": v for k, v in summary["eval_before"].items() if isinstance(v, float)})
 
@@ -283,11 +380,23 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
     if t.progress_bar:
         from tqdm import tqdm
 
-        progress = tqdm(total=t.total_training_steps, desc="RL steps", unit="step", dynamic_ncols=True)
+        progress = tqdm(total=t.total_training_steps, initial=start_step - 1, desc="RL steps", unit="step",
+                        dynamic_ncols=True)
         stack.callback(progress.close)
     sampling = _sampling_params(cfg)
-    total_tokens = 0
-    for step in range(1, t.total_training_steps + 1):
+
+    def checkpoint(step: int) -> None:
+        save_checkpoint(
+            run_dir, step, model=ddp_model, optimizer=optimizer, scheduler=scheduler,
+            run_state={"data": dataset.state_dict(), "difficulty": tracker.state_dict(),
+                       "weight_version": weight_version, "total_generated_tokens": total_tokens,
+                       "wall_s": wall_before + time.perf_counter() - t_start,
+                       **({"eval_before": summary["eval_before"]} if "eval_before" in summary else {})},
+            config_yaml=yaml.safe_dump(config_to_dict(cfg), sort_keys=False),
+            keep_last_n=t.keep_last_n_checkpoints, is_writer=is_controller,
+        )
+
+    for step in range(start_step, t.total_training_steps + 1):
         t_step = time.perf_counter()
         timings: dict = {"timing/generate_s": 0.0, "timing/reward_s": 0.0}
         q_hats: dict[str, float] = {}
@@ -397,21 +506,21 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
         logger.info("step %d: acc %.3f score %.3f kept %d gen_batches %d loss %.4f grad_norm %.3f (%.1fs)",
                     step, m["train/acc"], m["train/score"], m["train/kept_groups"], m["train/num_gen_batches"],
                     m["train/loss"], m["train/grad_norm"], m["timing/step_s"])
-        if (t.save_interval and step % t.save_interval == 0) or (t.save_last and step == t.total_training_steps):
-            save_checkpoint(
-                run_dir, step, model=ddp_model, optimizer=optimizer, scheduler=scheduler,
-                run_state={"data": dataset.state_dict(), "difficulty": tracker.state_dict(),
-                           "weight_version": weight_version},
-                config_yaml=yaml.safe_dump(config_to_dict(cfg), sort_keys=False),
-                keep_last_n=t.keep_last_n_checkpoints, is_writer=is_controller,
-            )
+        stopping = stop.requested() and step != t.total_training_steps
+        if (t.save_interval and step % t.save_interval == 0) or (t.save_last and step == t.total_training_steps) \
+                or stopping:
+            checkpoint(step)
+        if stopping:
+            logger.warning("%s received: stopped after step %d with a checkpoint; run the same command to resume",
+                           stop.signal_name, step)
+            raise TrainingInterrupted(step, run_dir)
 
     if cfg.eval.after_train and val_rows:
         summary["eval_after"] = run_eval("eval_after")
         writer.write(t.total_training_steps,
                      {f"eval/{k}": v for k, v in summary["eval_after"].items() if isinstance(v, float)})
     summary["steps"] = t.total_training_steps
-    summary["wall_s"] = time.perf_counter() - t_start
+    summary["wall_s"] = wall_before + time.perf_counter() - t_start
     summary["total_generated_tokens"] = total_tokens
     if "eval_before" in summary and "eval_after" in summary:
         n = cfg.eval.n
