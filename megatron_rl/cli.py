@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import yaml
@@ -34,8 +35,6 @@ def _train(argv: list[str]) -> int:
         for desc, _ in environment_checks(cfg):
             print(f"# environment check deferred to launch: {desc}")
         return 0
-    from megatron_rl.algorithms.dynamic_sampling import DynamicSamplingExhausted
-    from megatron_rl.rollout.errors import RolloutServerError, WeightSyncError
     from megatron_rl.trainer.loop import TrainingInterrupted, run_training
 
     try:
@@ -43,8 +42,11 @@ def _train(argv: list[str]) -> int:
     except TrainingInterrupted as e:
         print(f"megatron-rl train: {e}", file=sys.stderr)
         return 75  # EX_TEMPFAIL: not finished, resumable
-    except (ValueError, FileNotFoundError, RuntimeError, RolloutServerError, WeightSyncError,
-            DynamicSamplingExhausted) as e:
+    except KeyboardInterrupt:
+        print(f"megatron-rl train: interrupted (Ctrl-C); the last checkpoint in {cfg.run_dir}/checkpoints "
+              "is intact, rerun the same command to resume from it", file=sys.stderr)
+        return 130
+    except Exception as e:  # every error: one clear line here, the traceback in train.log
         import traceback
         from pathlib import Path
 
@@ -54,6 +56,8 @@ def _train(argv: list[str]) -> int:
                 fh.write(traceback.format_exc())
         print(f"megatron-rl train: error: {type(e).__name__}: {e}", file=sys.stderr)
         print(f"(full traceback in {cfg.run_dir}/train.log)", file=sys.stderr)
+        if os.environ.get("MEGATRON_RL_TRACEBACK"):
+            raise
         return 1
     keys = [k for k in ("eval_before", "eval_after") if k in summary]
     for k in keys:
@@ -77,6 +81,9 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the `megatron-rl` console script."""
+    from megatron_rl.quiet import quiet_known_warnings
+
+    quiet_known_warnings()
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print("usage: megatron-rl {%s} ..." % " | ".join(COMMANDS), file=sys.stderr)

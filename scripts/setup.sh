@@ -26,4 +26,4 @@ if [ ! -f "$STAMP" ] || [ setup.py -nt "$STAMP" ]; then
   .venv/bin/python -m pip install -q -e ".[test]"
   touch "$STAMP"
 fi
-.venv/bin/python -c "import megatron.core, torch, transformers; print(f'megatron-rl env ready: torch {torch.__version__}, megatron-core {megatron.core.__version__}, transformers {transformers.__version__}')"
+.venv/bin/python -W ignore -c "import logging; logging.disable(logging.WARNING); import megatron.core, torch, transformers; print(f'megatron-rl env ready: torch {torch.__version__}, megatron-core {megatron.core.__version__}, transformers {transformers.__version__}')"

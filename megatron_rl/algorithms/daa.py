@@ -189,10 +189,14 @@ class DifficultyTracker:
     def record(self, prompt_key: Hashable, k: int, G: int) -> None:
         """Record a completed group (kept or dropped) with `k` correct out of `G` valid responses.
 
-        Aborted or partial groups must not be recorded. Raises `ValueError` unless 0 <= k <= G.
+        Aborted or partial groups must not be recorded. A group with no valid response (G = 0:
+        every reward call failed or timed out) carries no evidence and is a no-op.
+        Raises `ValueError` unless 0 <= k <= G.
         """
-        if G < 1 or not 0 <= k <= G:
-            raise ValueError(f"record needs 0 <= k <= G and G >= 1; got k={k}, G={G}")
+        if G < 0 or not 0 <= k <= G:
+            raise ValueError(f"record needs 0 <= k <= G; got k={k}, G={G}")
+        if G == 0:
+            return
         c = self._counts.setdefault(self._key(prompt_key), [0, 0])
         c[0] += int(k)
         c[1] += int(G - k)

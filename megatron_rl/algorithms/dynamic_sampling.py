@@ -184,6 +184,11 @@ def collect_groups(
                 kept.append(g)
         if not enable:
             break
+        if batch_idx % 10 == 0 and len(kept) < train_batch_size:
+            logger.warning(
+                "dynamic sampling: %d generation batches drawn, %d of %d groups kept so far "
+                "(algorithm.filter_groups.max_num_gen_batches=%d%s)", batch_idx, len(kept), train_batch_size,
+                max_num_gen_batches, ", unlimited" if max_num_gen_batches <= 0 else "")
     if len(kept) >= train_batch_size:
         kept = kept[:train_batch_size]
     elif enable:
@@ -196,7 +201,8 @@ def collect_groups(
         )
         advice = (
             "raise algorithm.filter_groups.max_num_gen_batches (<= 0 = unlimited) or data.gen_batch_size, "
-            "lower data.train_batch_size, or use data the policy can partly solve"
+            "lower data.train_batch_size, sample with more diversity (rollout.temperature), "
+            "or use data the policy can partly solve"
         )
         if on_exhausted == "error":
             raise DynamicSamplingExhausted(f"{where}; on_exhausted=error. To fix: {advice}")

@@ -26,6 +26,19 @@ SHARDING_METADATA = {"distrib_optim_sharding_type": "fully_sharded_model_space",
                      "singleton_local_shards": False}
 
 
+def _in_process_results_queue() -> None:
+    """Saves here are synchronous, so the writer's results never cross a process boundary; give
+    megatron-core's torch_dist writer a plain queue instead of the `multiprocessing.Manager().Queue()`
+    it creates on first use. That Manager is a server process of its own which outlives a trainer
+    killed with SIGKILL (an orphan of ~550 MB per kill)."""
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", None) is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def _unwrap(m):
     from megatron.core.distributed import DistributedDataParallel
 
@@ -89,6 +102,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, *, model, optimizer, 
     """
     from megatron.core import dist_checkpointing
 
+    _in_process_results_queue()
     ckpt = checkpoint_dir(run_dir, step)
     (ckpt / "model_optim").mkdir(parents=True, exist_ok=True)
     model_sd = _model_sharded_state_dict(model)

@@ -87,7 +87,10 @@ def parse_override(text: str) -> tuple[str, Any]:
     key = key.strip()
     if not key:
         raise ValueError(f"override {text!r}: empty key")
-    value = yaml.safe_load(raw) if raw.strip() != "" else ""
+    try:
+        value = yaml.safe_load(raw) if raw.strip() != "" else ""
+    except yaml.YAMLError as e:
+        raise ValueError(f"override {text!r}: the value is not valid YAML ({str(e).splitlines()[0]})") from None
     return key, value
 
 
@@ -161,7 +164,14 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
         p = Path(path)
         if not p.is_file():
             raise FileNotFoundError(f"config file not found: {p}")
-        loaded = yaml.safe_load(p.read_text()) or {}
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            raise ValueError(f"{p}:{where}: not valid YAML: {getattr(e, 'problem', None) or e}") from None
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start})") from None
         if not isinstance(loaded, dict):
             raise ValueError(f"{p}: expected a mapping at the top level, got {type(loaded).__name__}")
         base = p.resolve().parent
@@ -201,9 +211,44 @@ def _resolve_paths(tree: dict, base: Path) -> None:
             tree[sec][name] = [fix(p) for p in tree[sec][name]]
 
 
+def _check_finite(obj: Any, prefix: str = "") -> None:
+    """Every float in the config is finite (YAML reads `.nan` and `.inf`)."""
+    import dataclasses
+    import math
+
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            _check_finite(value, key + ".")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{key}: {value!r} must be a finite number")
+
+
 def validate_config(cfg: Config) -> None:
     """Cross-section static checks (DESIGN.md "Configuration checks"); raise ValueError naming keys."""
+    _check_finite(cfg)
     d, a, alg, r = cfg.data, cfg.actor, cfg.algorithm, cfg.rollout
+    if not str(cfg.run_dir).strip():
+        raise ValueError("run_dir: must not be empty (the folder for checkpoints, metrics and logs)")
+    for key in ("path", "tokenizer_path", "hf_config_path"):
+        if getattr(cfg.model, key) == "":
+            raise ValueError(f"model.{key}: must not be empty (unset it instead)")
+    from megatron_rl.data.dataset import DATASET_ADAPTERS as ADAPTERS
+    from megatron_rl.rewards.registry import REWARD_FNS
+
+    if cfg.reward.reward_fn not in REWARD_FNS:
+        raise ValueError(f"reward.reward_fn: {cfg.reward.reward_fn!r} is not registered; choose one of "
+                         f"{', '.join(map(repr, REWARD_FNS.names()))}")
+    for key in ("train_adapter", "val_adapter"):
+        if getattr(d, key) not in ADAPTERS:
+            raise ValueError(f"data.{key}: {getattr(d, key)!r} is not a dataset adapter; choose one of "
+                             f"{', '.join(map(repr, ADAPTERS.names()))}")
+    if alg.filter_groups.enable and r.temperature == 0:
+        raise ValueError(
+            "algorithm.filter_groups.enable with rollout.temperature=0: greedy decoding gives n identical "
+            "responses, every group is filtered out and the batch can never fill"
+        )
     gen = d.gen_batch_size or d.train_batch_size
     if gen < d.train_batch_size and not alg.filter_groups.enable:
         raise ValueError(
@@ -255,7 +300,10 @@ def _check_model_layout(cfg: Config) -> None:
     src = next((c for c in cands if c.is_file()), None)
     if src is None:
         return
-    hf = json.loads(src.read_text())
+    try:
+        hf = json.loads(src.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{src}: not valid JSON ({e})") from None
     t = cfg.trainer
     tp, pp = t.tensor_model_parallel_size, t.pipeline_model_parallel_size
     heads = hf.get("num_attention_heads")
@@ -267,12 +315,21 @@ def _check_model_layout(cfg: Config) -> None:
         raise ValueError(f"trainer.tensor_model_parallel_size {tp} must divide num_key_value_heads {kv} ({src})")
     if layers and layers % pp:
         raise ValueError(f"trainer.pipeline_model_parallel_size {pp} must divide num_hidden_layers {layers} ({src})")
+    max_pos = hf.get("max_position_embeddings")
+    d = cfg.data
+    longest = d.max_prompt_length + max(d.max_response_length, cfg.eval.max_response_length or 0)
+    if max_pos and longest > max_pos:
+        raise ValueError(
+            f"data.max_prompt_length + data.max_response_length (or eval.max_response_length) = {longest} exceeds "
+            f"the model's max_position_embeddings {max_pos} ({src})"
+        )
 
 
 def environment_checks(cfg: Config) -> list[tuple[str, callable]]:
     """Checks that need the launch environment (DESIGN.md); `--dry-run` lists them as deferred.
 
-    Returns (description, check) pairs; each check raises RuntimeError with a clear message.
+    Returns (description, check) pairs; each check raises RuntimeError with a clear message, and
+    returns None when it passed or a "not applicable: ..." reason when it did not apply.
     """
     t = cfg.trainer
 
@@ -295,9 +352,9 @@ def environment_checks(cfg: Config) -> list[tuple[str, callable]]:
                 "Set trainer.nproc_per_node=1 and the parallel sizes to 1 (multi-process training is not supported yet)"
             )
 
-    def fp8() -> None:
+    def fp8() -> str | None:
         if t.fp8 is None:
-            return
+            return "not applicable: trainer.fp8 is unset"
         try:
             import transformer_engine  # noqa: F401
         except ImportError:
@@ -315,7 +372,9 @@ def environment_checks(cfg: Config) -> list[tuple[str, callable]]:
         if p is None or not (Path(p) / "config.json").is_file():
             raise RuntimeError(f"model.path {p!r} has no config.json")
 
-    def servers() -> None:
+    def servers() -> str | None:
+        if not cfg.rollout.server_urls:
+            return "not applicable: rollout.server_urls is empty, embedded servers are started and health-checked at launch"
         if cfg.rollout.server_urls:
             from megatron_rl.rollout.client import RolloutClient
 
@@ -325,7 +384,9 @@ def environment_checks(cfg: Config) -> list[tuple[str, callable]]:
     def run_dir_state() -> None:
         from megatron_rl.checkpoint.save import latest_checkpoint
 
-        if t.resume_mode == "disable" and latest_checkpoint(cfg.run_dir) is not None:
+        if t.resume_mode != "disable":
+            return "not applicable: trainer.resume_mode is auto (a run dir with checkpoints is resumed)"
+        if latest_checkpoint(cfg.run_dir) is not None:
             raise RuntimeError(
                 f"run_dir {cfg.run_dir} holds checkpoints of an earlier run (latest step "
                 f"{latest_checkpoint(cfg.run_dir)}) and trainer.resume_mode is disable: use another run_dir, "
@@ -333,6 +394,8 @@ def environment_checks(cfg: Config) -> list[tuple[str, callable]]:
             )
 
     def data_files() -> None:
+        if not cfg.data.train_files:
+            raise RuntimeError("data.train_files: at least one file of training prompts is required")
         for f in list(cfg.data.train_files) + list(cfg.data.val_files):
             if not Path(f).is_file():
                 raise RuntimeError(f"data file not found: {f}")

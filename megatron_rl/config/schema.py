@@ -7,6 +7,7 @@ Cross-section checks live in `megatron_rl.config.validate`. Imports only the sta
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -21,6 +22,8 @@ def _choice(section: str, name: str, value, allowed) -> None:
 def _positive(section: str, name: str, value, *, allow_zero: bool = False) -> None:
     if value is None:
         return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{section}.{name}: {value!r} must be a finite number")
     if (value < 0) if allow_zero else (value <= 0):
         bound = ">= 0" if allow_zero else "> 0"
         raise ValueError(f"{section}.{name}: {value!r} must be {bound}")
@@ -57,7 +60,10 @@ class DataConfig:
     gen_batch_size: Optional[int] = None
     """Prompts drawn per generation batch (DAPO over-draws for dynamic sampling); default = train_batch_size."""
     max_prompt_length: int = 128
-    """Tokens; longer prompts raise an error naming the row."""
+    """Tokens. Every prompt is checked at launch: a longer one is an error naming its file and line,
+    or is dropped with a warning when `filter_overlong_prompts` is set."""
+    filter_overlong_prompts: bool = False
+    """Drop prompts longer than `max_prompt_length` at launch instead of failing (verl's name)."""
     max_response_length: int = 64
     """Generated tokens per response, EOS included (L_max of the overlong shaping)."""
     shuffle: bool = True
@@ -110,7 +116,9 @@ class RolloutConfig:
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"rollout.top_k: {self.top_k!r} must be -1 (off) or >= 1")
         _positive("rollout", "timeout_s", self.timeout_s)
+        _positive("rollout", "startup_timeout_s", self.startup_timeout_s)
         _positive("rollout", "max_concurrency", self.max_concurrency)
+        _positive("rollout", "server_max_batch_size", self.server_max_batch_size)
 
 
 @dataclass(kw_only=True)
@@ -304,6 +312,10 @@ class EvalConfig:
 
     def __post_init__(self) -> None:
         _positive("eval", "n", self.n)
+        _positive("eval", "temperature", self.temperature, allow_zero=True)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"eval.top_p: {self.top_p!r} must be in (0, 1]")
+        _positive("eval", "max_response_length", self.max_response_length)
         _positive("eval", "interval", self.interval, allow_zero=True)
         _positive("eval", "max_problems", self.max_problems, allow_zero=True)
 
@@ -322,6 +334,9 @@ class WeightSyncConfig:
     def __post_init__(self) -> None:
         _positive("weight_sync", "bucket_size_mib", self.bucket_size_mib)
         _choice("weight_sync", "backend", self.backend, ("gloo", "nccl"))
+        _positive("weight_sync", "timeout_s", self.timeout_s)
+        if self.master_port is not None and not 1 <= self.master_port <= 65535:
+            raise ValueError(f"weight_sync.master_port: {self.master_port!r} must be a TCP port (1-65535) or null")
 
 
 @dataclass(kw_only=True)
@@ -374,6 +389,9 @@ class TrainerConfig:
             _positive("trainer", name, getattr(self, name))
         _choice("trainer", "precision", self.precision, ("fp32", "bf16"))
         _choice("trainer", "resume_mode", self.resume_mode, ("auto", "disable"))
+        _positive("trainer", "num_threads", self.num_threads, allow_zero=True)
+        if self.distributed_timeout_s < 1:
+            raise ValueError(f"trainer.distributed_timeout_s: {self.distributed_timeout_s!r} must be >= 1 (seconds)")
         _choice("trainer", "fp8", self.fp8, (None, "hybrid", "e4m3"))
         _choice("trainer", "fp8_recipe", self.fp8_recipe, ("delayed", "tensorwise", "blockwise", "mxfp8"))
         _choice("trainer", "recompute", self.recompute, (None, "selective", "full"))

@@ -42,6 +42,7 @@ class PromptRow:
     ground_truth: the reference answer as a string (verifier input).
     data_source: the row's `data_source` (reward function routing, per-source metrics).
     extra_info: the row's `extra_info` (may be empty).
+    origin: where the row came from, for error messages ("FILE: line N" / "FILE: row N").
     """
 
     prompt_key: str
@@ -49,6 +50,7 @@ class PromptRow:
     ground_truth: str
     data_source: str
     extra_info: dict[str, Any] = field(default_factory=dict)
+    origin: str = field(default="", compare=False)
 
 
 class MissingFieldError(KeyError):
@@ -86,8 +88,8 @@ def _dapo_row(source: str, problem: str, answer: str, extra: dict[str, Any]) -> 
 
 def _answer_str(value: Any) -> str:
     """Integer-valued floats lose the '.0' (27.0 -> '27'); strings are kept as they are."""
-    if isinstance(value, bool):
-        raise ValueError(f"answer must be a number or string, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise ValueError(f"answer must be a number or string, got {type(value).__name__} {value!r}"[:200])
     if isinstance(value, float):
         return str(int(value)) if value.is_integer() else repr(value)
     return str(value)
@@ -145,7 +147,7 @@ def _messages(prompt: Any) -> list[dict[str, Any]]:
     return out
 
 
-def row_from_verl(row: Mapping[str, Any], prompt_key: str) -> PromptRow:
+def row_from_verl(row: Mapping[str, Any], prompt_key: str, origin: str = "") -> PromptRow:
     """A `PromptRow` from a verl row.
 
     Raises:
@@ -155,12 +157,21 @@ def row_from_verl(row: Mapping[str, Any], prompt_key: str) -> PromptRow:
     gt = _require(row, "reward_model.ground_truth")
     messages = _messages(_require(row, "prompt"))
     extra = row.get("extra_info") or {}
+    if not isinstance(extra, Mapping):
+        raise ValueError(f"extra_info must be an object (mapping), got {type(extra).__name__}")
+    for m in messages:
+        if not isinstance(m["content"], str):
+            raise ValueError(f"prompt message content must be a string, got {type(m['content']).__name__}")
+    gt_text = _answer_str(gt)
+    if not gt_text.strip():
+        raise ValueError("reward_model.ground_truth is empty")
     return PromptRow(
         prompt_key=prompt_key,
         messages=messages,
-        ground_truth=_answer_str(gt),
+        ground_truth=gt_text,
         data_source=str(row.get("data_source") or ""),
         extra_info=dict(extra),
+        origin=origin,
     )
 
 
@@ -174,8 +185,12 @@ def _numbered_records(path: str | Path) -> tuple[str, list[tuple[int, dict[str, 
     if p.suffix != ".jsonl":
         raise ValueError(f"{p}: dataset files must be .jsonl or .parquet")
     out = []
-    with open(p, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(p, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{p}:{lineno}: not UTF-8 text ({e.reason} at byte {e.start} of the line)") from None
             if not line.strip():
                 continue
             try:
@@ -217,7 +232,7 @@ def load_rows(path: str | Path, *, adapter: str = "verl", name: str | None = Non
     unit, records = _numbered_records(p)
     for i, (number, rec) in enumerate(records):
         try:
-            rows.append(row_from_verl(fn(rec, name, i), f"{name}:{i}"))
+            rows.append(row_from_verl(fn(rec, name, i), f"{name}:{i}", origin=f"{p}: {unit} {number}"))
         except MissingFieldError as e:
             raise ValueError(f"{p}: {unit} {number}: missing required key {e.key!r}") from None
         except ValueError as e:

@@ -129,3 +129,38 @@ def render_conversation_with_mask(
         for j in range(start, end):
             mask[j] = True
     return full, mask
+
+
+def check_prompt_lengths(rows: Sequence[Any], tokenizer: Any, max_prompt_length: int, *, drop: bool,
+                         what: str) -> list[Any]:
+    """Render every row's prompt once at launch and compare with `max_prompt_length` (tokens), so
+    an over-long prompt fails the run before step 1 instead of when it is first drawn.
+
+    Args:
+        rows: `PromptRow`s (their `origin` names file and line).
+        drop: drop over-long rows with a warning (verl's `filter_overlong_prompts`) instead of failing.
+        what: "data.train_files" or "data.val_files", for the messages.
+
+    Returns:
+        The rows that fit.
+
+    Raises:
+        ValueError: some prompt is too long and `drop` is False (names up to 5 rows and the count).
+    """
+    too_long = []
+    kept = []
+    for row in rows:
+        n = len(render_prompt_ids(tokenizer, row.messages))
+        if n > max_prompt_length:
+            too_long.append((row, n))
+        else:
+            kept.append(row)
+    if too_long:
+        listed = "; ".join(f"{r.origin or r.prompt_key} ({n} tokens)" for r, n in too_long[:5])
+        more = f" and {len(too_long) - 5} more" if len(too_long) > 5 else ""
+        msg = (f"{len(too_long)} of {len(rows)} prompts in {what} are longer than data.max_prompt_length "
+               f"({max_prompt_length}): {listed}{more}")
+        if not drop:
+            raise ValueError(msg + ". Raise data.max_prompt_length or set data.filter_overlong_prompts=true")
+        logger.warning("%s; dropped (data.filter_overlong_prompts)", msg)
+    return kept

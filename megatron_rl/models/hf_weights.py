@@ -121,13 +121,19 @@ class _HFTensors:
             self._files = {name: root / file for name, file in weight_map.items()}
         else:
             for file in sorted(root.glob("*.safetensors")):
-                with safe_open(str(file), framework="pt") as handle:
-                    self._files.update({name: file for name in handle.keys()})
+                try:
+                    with safe_open(str(file), framework="pt") as handle:
+                        self._files.update({name: file for name in handle.keys()})
+                except Exception as e:  # safetensors raises its own SafetensorError
+                    raise ValueError(f"{file}: not a readable safetensors file ({e})") from None
         if not self._files:
             raise ValueError(f"no *.safetensors weights found in {str(root)!r}")
 
     def __contains__(self, name: str) -> bool:
         return name in (self._dict if self._dict is not None else self._files)
+
+    def names(self) -> set[str]:
+        return set(self._dict if self._dict is not None else self._files)
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self:
@@ -136,8 +142,11 @@ class _HFTensors:
             return self._dict[name]
         from safetensors import safe_open
 
-        with safe_open(str(self._files[name]), framework="pt") as handle:
-            return handle.get_tensor(name)
+        try:
+            with safe_open(str(self._files[name]), framework="pt") as handle:
+                return handle.get_tensor(name)
+        except Exception as e:  # SafetensorError on a truncated or corrupt file
+            raise ValueError(f"{self._files[name]}: cannot read tensor {name!r} ({e})") from None
 
 
 # --------------------------------------------------------------------------- mapping
@@ -241,7 +250,9 @@ def load_hf_weights(
         )
     source = _HFTensors(hf_dir_or_state_dict)
     num_groups = config.num_query_groups or config.num_attention_heads
+    used: set[str] = set()
     for name, param, hf_names, kind in _model_entries(model):
+        used.update(hf_names)
         tensors = [source.get(n) for n in hf_names]
         if kind == "qkv":
             local = _shard(_fuse_qkv(*tensors, num_groups), 0, tp_rank, tp_size)
@@ -257,6 +268,16 @@ def load_hf_weights(
                 f"model has {tuple(param.shape)}"
             )
         param.copy_(local.to(dtype=param.dtype))
+    if config.pipeline_model_parallel_size == 1:  # this rank holds every layer: nothing may be left over
+        ignorable = ("rotary_emb.inv_freq",)  # buffers some older checkpoints store
+        unused = sorted(n for n in source.names() - used
+                        if not n.endswith(ignorable) and not (n == "lm_head.weight" and "model.embed_tokens.weight" in used
+                                                             and not any("lm_head" in u for u in used)))
+        if unused:
+            raise ValueError(
+                f"{len(unused)} tensors of the HF checkpoint have no place in the model, e.g. {unused[:4]}: "
+                "the checkpoint does not match its config.json (model_type, attention_bias, tie_word_embeddings, ...)"
+            )
     logger.info("loaded HF weights into TP rank %d/%d", tp_rank, tp_size)
 
 

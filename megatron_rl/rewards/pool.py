@@ -30,8 +30,14 @@ def _failed(error: str) -> dict[str, Any]:
 
 def _worker_main(conn: Connection, extra_fns: Mapping[str, Callable[..., dict]] | None, modules: tuple[str, ...]) -> None:
     """Worker loop (runs in the child's main thread): receive tasks, send results."""
+    import signal
+
     from megatron_rl.rewards.registry import REWARD_FNS
 
+    # The trainer decides when workers stop (close() or its exit closes the pipe): a SIGINT or
+    # SIGTERM to the whole process group must not kill them under the step the trainer finishes.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     for m in modules:
         importlib.import_module(m)
     fns = dict(extra_fns or {})

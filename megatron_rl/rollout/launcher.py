@@ -173,6 +173,10 @@ def launch_rollout_server(
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
+                # own session: a signal to the trainer's process group (Ctrl-C, timeout, scancel) reaches
+                # the trainer only, which finishes its step and stops the server itself; the
+                # server's --parent-pid watchdog covers a trainer killed outright.
+                start_new_session=True,
                 env=env if env is not None else os.environ.copy(),
             )
         server = ServerProcess(proc, host, chosen, path, api_key, admin_api_key)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -147,7 +148,7 @@ class RolloutManager:
             ids = render_prompt_ids(self.tokenizer, row.messages)
             if len(ids) > self.max_prompt_length:
                 raise ValueError(
-                    f"prompt of row {row.prompt_key} has {len(ids)} tokens > data.max_prompt_length "
+                    f"prompt of {row.origin or row.prompt_key} has {len(ids)} tokens > data.max_prompt_length "
                     f"({self.max_prompt_length})"
                 )
             self._prompt_cache[row.prompt_key] = ids
@@ -192,6 +193,9 @@ class RolloutManager:
         flat = self.reward_pool.map(items)
         for (_, text, _), out in zip(items, flat):
             out["response_text"] = text
+        errors = Counter(out.get("error", "unknown error") for out in flat if out.get("failed"))
+        for error, count in errors.most_common(3):
+            logger.warning("reward %r failed on %d of %d responses: %s", self.reward_fn, count, len(flat), error)
         n = len(results[0]) if results else 0
         return [flat[i * n : (i + 1) * n] for i in range(len(results))]
 

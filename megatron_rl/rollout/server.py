@@ -6,7 +6,7 @@ Run as its own process::
         [--dtype float32] [--api-key K] [--admin-api-key K] [--weight-version V]
         [--max-batch-size 256] [--random-seed S] [--enable-deterministic-inference]
 
-It speaks the subset of SGLang's API that the trainer uses (../shared/docs/SGLANG_API.md), with
+It speaks the subset of SGLang's API that the trainer uses (docs/SGLANG_API.md), with
 the same request fields, the same strict ``sampling_params``, the same ``{}``-body rule for
 control endpoints, the same response and ``finish_reason`` shapes, the same weight-update
 session and the same auth semantics, so the trainer cannot tell it from SGLang. It runs
@@ -1392,6 +1392,28 @@ def _watch_parent(parent_pid: int, interval_s: float = 1.0) -> None:
     threading.Thread(target=run, name="parent-watchdog", daemon=True).start()
 
 
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Fail in milliseconds, before the model loads: exits 2 with a usage message naming the flag."""
+    import socket
+    from pathlib import Path
+
+    model = Path(args.model_path)
+    if not (model / "config.json").is_file():
+        parser.error(f"--model-path {args.model_path}: not a Hugging Face model folder (no config.json)")
+    if not 1 <= args.port <= 65535:
+        parser.error(f"--port {args.port}: must be 1-65535")
+    if args.max_batch_size < 1:
+        parser.error(f"--max-batch-size {args.max_batch_size}: must be >= 1")
+    if args.weight_sync_timeout_s <= 0:
+        parser.error(f"--weight-sync-timeout-s {args.weight_sync_timeout_s}: must be > 0")
+    with socket.socket() as sock:  # the port is free now (uvicorn binds it after the model loads)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((args.host, args.port))
+        except OSError as e:
+            parser.error(f"--host {args.host} --port {args.port}: cannot bind ({e.strerror})")
+
+
 def _load_model(model_path: str, dtype: str, attn_implementation: str):
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
@@ -1420,13 +1442,18 @@ def _load_model(model_path: str, dtype: str, attn_implementation: str):
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the server until SIGINT/SIGTERM. Returns the process exit code."""
-    args = build_arg_parser().parse_args(argv)
+    parser = build_arg_parser()
+    args = parser.parse_args(argv)
+    _check_args(parser, args)
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s [rollout-server:%(process)d] %(name)s: %(message)s",
     )
     import uvicorn
 
+    import faulthandler
+
+    faulthandler.enable()  # a crash in native code leaves its stack in the log
     if args.parent_pid is not None:
         _watch_parent(args.parent_pid)
     torch.manual_seed(args.random_seed)
@@ -1446,6 +1473,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "serving on http://%s:%d (eos ids %s, weight_version %s)", args.host, args.port, eos, args.weight_version
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    logger.info("shut down (signal or parent exit)")
     engine.close()
     return 0
 

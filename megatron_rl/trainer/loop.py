@@ -19,6 +19,7 @@ import yaml
 
 from megatron_rl.config import Config, config_to_dict, save_config
 from megatron_rl.config.loader import environment_checks
+from megatron_rl.rollout.errors import RolloutServerError, WeightSyncError
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,9 @@ def setup_logging(run_dir: Path, rank: int) -> None:
     root.addHandler(fh)
     for noisy in ("httpx", "urllib3", "megatron.core"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+_CONTROLLER: dict = {}  # the running controller, for error reports
 
 
 class _Controller:
@@ -90,6 +94,19 @@ class _Controller:
         for server in self._servers:
             server.stop()
         self._pool.shutdown(wait=False)
+
+    def dead_servers(self) -> str:
+        """A report of embedded servers that are no longer running (exit code, log tail), or ""."""
+        import signal
+
+        lines = []
+        for i, server in enumerate(self._servers):
+            code = server.process.poll()
+            if code is not None:
+                how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+                lines.append(f"rollout server {i} (pid {server.process.pid}) is dead ({how}); last lines of "
+                             f"{server.log_path}:\n{server.log_tail(20)}")
+        return "\n".join(lines)
 
     def connect(self, tokenizer) -> None:
         """Wait for the servers, then build clients, the rollout manager and the weight-sync group.
@@ -226,10 +243,40 @@ def run_training(cfg: Config) -> dict:
     rank = int(os.environ.get("RANK", "0"))
     setup_logging(run_dir, rank)
     for desc, check in environment_checks(cfg):
-        check()
-        logger.info("environment check passed: %s", desc)
+        skipped = check()
+        logger.info("environment check %s: %s", f"skipped ({skipped})" if skipped else "passed", desc)
+    done = _finished_summary(cfg, run_dir)
+    if done is not None:
+        logger.info("%s already finished all %d steps; nothing to do (summary: %s). Raise "
+                    "trainer.total_training_steps to train further, or use another run_dir",
+                    run_dir, cfg.trainer.total_training_steps, run_dir / "summary.json")
+        return done
     with contextlib.ExitStack() as stack:
-        return _run(cfg, run_dir, rank, stack, t_start)
+        try:
+            return _run(cfg, run_dir, rank, stack, t_start)
+        except (RolloutServerError, WeightSyncError) as e:
+            ctl = _CONTROLLER.get("current")
+            report = ctl.dead_servers() if ctl is not None else ""
+            if report:
+                raise type(e)(f"{e}\n{report}") from e
+            raise
+
+
+def _finished_summary(cfg: Config, run_dir: Path) -> dict | None:
+    """The summary of a run dir whose run already completed `total_training_steps` (resume_mode auto)."""
+    from megatron_rl.checkpoint.save import latest_checkpoint
+
+    path = run_dir / "summary.json"
+    if cfg.trainer.resume_mode != "auto" or not path.is_file():
+        return None
+    latest = latest_checkpoint(run_dir)
+    try:
+        summary = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return None
+    if latest is not None and latest >= cfg.trainer.total_training_steps and summary.get("steps") == latest:
+        return summary
+    return None
 
 
 def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_start: float) -> dict:
@@ -240,6 +287,7 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
     from megatron_rl.algorithms.dynamic_sampling import collect_groups
     from megatron_rl.checkpoint.save import latest_checkpoint, load_checkpoint, save_checkpoint
     from megatron_rl.data.dataset import PromptDataset, load_rows
+    from megatron_rl.data.prompts import check_prompt_lengths
     from megatron_rl.eval.evaluate import evaluate
     from megatron_rl.metrics.writer import MetricsWriter
     from megatron_rl.models.builder import build_model, wrap_ddp_and_optimizer
@@ -252,6 +300,7 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
 
     is_controller = rank == 0
     ctl = _Controller(cfg, stack) if is_controller else None
+    _CONTROLLER["current"] = ctl
     if cfg.trainer.num_threads:
         torch.set_num_threads(cfg.trainer.num_threads)
     enable_cpu_compat()
@@ -273,6 +322,26 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
     if is_controller:
         save_config(cfg, run_dir / "config.yaml")
     torch.manual_seed(t.seed)
+
+    # data first: a bad row or an over-long prompt fails in seconds, before the model is built
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    train_rows = []
+    for f in cfg.data.train_files:
+        train_rows += load_rows(f, adapter=cfg.data.train_adapter)
+    if not train_rows:
+        raise ValueError("data.train_files holds no rows")
+    val_rows = []
+    for f in cfg.data.val_files:
+        val_rows += load_rows(f, adapter=cfg.data.val_adapter)
+    if cfg.eval.max_problems:
+        val_rows = val_rows[: cfg.eval.max_problems]
+    train_rows = check_prompt_lengths(train_rows, tokenizer, cfg.data.max_prompt_length,
+                                      drop=cfg.data.filter_overlong_prompts, what="data.train_files")
+    if not train_rows:
+        raise ValueError("data.train_files: every prompt is longer than data.max_prompt_length")
+    val_rows = check_prompt_lengths(val_rows, tokenizer, cfg.data.max_prompt_length,
+                                    drop=cfg.data.filter_overlong_prompts, what="data.val_files")
 
     hf_config = json.loads((Path(cfg.model.path) / "config.json").read_text())
     spec = build_model_spec(hf_config, tensor_model_parallel_size=t.tensor_model_parallel_size,
@@ -317,18 +386,6 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
         ),
     )
 
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    train_rows = []
-    for f in cfg.data.train_files:
-        train_rows += load_rows(f, adapter=cfg.data.train_adapter)
-    if not train_rows:
-        raise ValueError("data.train_files holds no rows")
-    val_rows = []
-    for f in cfg.data.val_files:
-        val_rows += load_rows(f, adapter=cfg.data.val_adapter)
-    if cfg.eval.max_problems:
-        val_rows = val_rows[: cfg.eval.max_problems]
     dataset = PromptDataset(train_rows, seed=t.seed, shuffle=cfg.data.shuffle)
     daa = cfg.algorithm.daa
     tracker = DifficultyTracker(a0=daa.prior_a, b0=daa.prior_b)
@@ -336,7 +393,7 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
     gen_batch_size = cfg.data.gen_batch_size or cfg.data.train_batch_size
     eval_len = cfg.eval.max_response_length or cfg.data.max_response_length
 
-    summary: dict = {"run_dir": str(run_dir), "config": config_to_dict(cfg)}
+    summary: dict = {"run_dir": str(run_dir.resolve()), "config": config_to_dict(cfg)}
     weight_version, total_tokens, start_step, wall_before = 0, 0, 1, 0.0
     resumed_from = latest_checkpoint(run_dir) if t.resume_mode == "auto" else None
     if resumed_from is not None:
@@ -380,8 +437,9 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
     if t.progress_bar:
         from tqdm import tqdm
 
+        # disable=None: no bar when stderr is not a terminal (logs then get one line a step instead)
         progress = tqdm(total=t.total_training_steps, initial=start_step - 1, desc="RL steps", unit="step",
-                        dynamic_ncols=True)
+                        dynamic_ncols=True, disable=None)
         stack.callback(progress.close)
     sampling = _sampling_params(cfg)
 
@@ -415,7 +473,8 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
                 generated["responses"] += len(g.samples)
                 if 1 <= k_correct <= g_valid - 1:
                     q_hats[g.group_uid] = tracker.estimate(g.prompt_key, k_correct, g_valid, daa.difficulty)
-                tracker.record(g.prompt_key, k_correct, g_valid)
+                if g_valid:  # a group whose every reward failed says nothing about the prompt
+                    tracker.record(g.prompt_key, k_correct, g_valid)
             return groups
 
         def keep(group) -> bool:

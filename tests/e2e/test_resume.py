@@ -132,6 +132,13 @@ def test_sigkill_then_resume_matches_uninterrupted(reference, tmp_path):
     assert summary["total_generated_tokens"] == ref_summary["total_generated_tokens"]
     assert "resuming from step" in (run_dir / "train.log").read_text()
 
+    # the same command once more: the run is complete, nothing is redone or appended
+    before = (run_dir / "metrics.jsonl").read_text()
+    again = subprocess.run(_cmd(run_dir, pool), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "already finished all 5 steps" in again.stderr
+    assert (run_dir / "metrics.jsonl").read_text() == before
+
 
 def test_sigterm_checkpoints_and_exits_75_then_resumes(reference, tmp_path):
     pool, ref, _ = reference
@@ -171,3 +178,22 @@ def test_resume_mode_disable_refuses_a_used_run_dir(reference, tmp_path):
                          timeout=300, cwd=ROOT, env={**os.environ})
     assert out.returncode == 1
     assert "holds checkpoints of an earlier run (latest step 1)" in out.stderr
+
+
+def test_sigterm_to_the_process_group_still_checkpoints(reference, tmp_path):
+    """`timeout`, Ctrl-C in a terminal and scancel signal the whole process group: the rollout
+    server and the reward workers must survive it until the trainer has finished its step."""
+    pool, _, _ = reference
+    run_dir = tmp_path / "pgroup"
+    proc = subprocess.Popen(_cmd(run_dir, pool), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, start_new_session=True)
+    try:
+        _wait_for_checkpoint(proc, run_dir, 1)
+        os.killpg(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 75, err[-3000:]
+    assert max(_step_rows(run_dir)) == _latest(run_dir)
+    assert _no_server_left(run_dir, timeout_s=5)

@@ -58,9 +58,9 @@ def test_row_without_ground_truth_names_file_and_row(tmp_path, random_model):
 
 
 def test_dynamic_sampling_that_keeps_nothing(tmp_path, random_model):
-    # greedy sampling: every group's responses are identical, so no group has reward variance
+    # a random model never answers correctly: every group has reward variance 0 and is filtered
     run_dir = tmp_path / "run"
-    out = _train([f"model.path={random_model}", "rollout.temperature=0.0", "algorithm.filter_groups.enable=true",
+    out = _train([f"model.path={random_model}", "algorithm.filter_groups.enable=true",
                   "algorithm.filter_groups.max_num_gen_batches=2", "algorithm.filter_groups.on_exhausted=error",
                   "eval.before_train=false", "eval.after_train=false"], run_dir)
     assert out.returncode == 1, out.stderr[-2000:]
@@ -82,3 +82,22 @@ def test_unknown_config_key_suggests(tmp_path):
     out = _train(["actor.clip_ratio_hgh=0.3"], tmp_path / "run")
     assert out.returncode == 2
     assert "did you mean 'actor.clip_ratio_high'" in out.stderr
+
+
+def test_greedy_dynamic_sampling_is_a_config_error(tmp_path):
+    out = _train(["rollout.temperature=0", "algorithm.filter_groups.enable=true"], tmp_path / "run")
+    assert out.returncode == 2
+    assert "greedy decoding gives n identical responses" in out.stderr
+
+
+def test_overlong_prompt_fails_before_training(tmp_path):
+    rows = [json.loads(line) for line in TRAIN.read_text().splitlines()[:30]]
+    rows[24]["prompt"][0]["content"] = "1+1=" * 60
+    bad = tmp_path / "long.jsonl"
+    bad.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    run_dir = tmp_path / "run"
+    out = _train([f"data.train_files=[{bad}]"], run_dir, timeout=300)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert f"{bad}: line 25" in out.stderr and "data.filter_overlong_prompts" in out.stderr
+    assert not (run_dir / "metrics.jsonl").exists()  # refused at launch, not at step 3
+    assert _no_server_left(run_dir)

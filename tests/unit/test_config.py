@@ -132,3 +132,60 @@ def test_multi_process_layout_is_a_clear_launch_error(monkeypatch):
     check = next(fn for desc, fn in checks.items() if desc.startswith("one trainer process"))
     with pytest.raises(RuntimeError, match="trains in one process.*TP/PP/CP \\(2, 1, 1\\)"):
         check()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("actor.optim.lr=.nan", "actor.optim.lr: nan must be a finite number"),
+    ("actor.kl_loss_coef=.inf", "actor.kl_loss_coef: inf must be a finite number"),
+    ("eval.top_p=5", r"eval.top_p: 5(\.0)? must be in \(0, 1\]"),
+    ("eval.temperature=-1", "eval.temperature: -1(.0)? must be >= 0"),
+    ("eval.max_response_length=-5", "eval.max_response_length: -5 must be > 0"),
+    ("rollout.startup_timeout_s=-5", "rollout.startup_timeout_s: -5(.0)? must be > 0"),
+    ("weight_sync.master_port=-1", r"weight_sync.master_port: -1 must be a TCP port"),
+    ("weight_sync.timeout_s=-1", "weight_sync.timeout_s: -1(.0)? must be > 0"),
+    ("trainer.num_threads=-1", "trainer.num_threads: -1 must be >= 0"),
+    ("trainer.distributed_timeout_s=0.5", "trainer.distributed_timeout_s: 0.5 must be >= 1"),
+    ("reward.reward_fn=nope", "reward.reward_fn: 'nope' is not registered; choose one of 'dapo_math', 'math_verify'"),
+    ("data.train_adapter=nope", "data.train_adapter: 'nope' is not a dataset adapter; choose one of"),
+    ("run_dir=", "run_dir: must not be empty"),
+    ("model.tokenizer_path=", "model.tokenizer_path: must not be empty"),
+    ("rollout.temperature=0", "filter_groups.enable with rollout.temperature=0"),
+    ("actor.optim.lr=[1", "the value is not valid YAML"),
+])
+def test_bad_values_are_refused_statically(override, message):
+    overrides = BASE + ["algorithm.filter_groups.enable=true", override]
+    with pytest.raises(ValueError, match=message):
+        load_config(None, overrides)
+
+
+def test_yaml_syntax_error_names_file_and_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  path: x\n data: [\n")
+    with pytest.raises(ValueError, match=r"bad.yaml: line 3, column \d+: not valid YAML"):
+        load_config(bad)
+
+
+def test_sequence_longer_than_the_model_is_refused():
+    base_model = ROOT / "examples/tiny/base_model"
+    max_pos = __import__("json").loads((base_model / "config.json").read_text())["max_position_embeddings"]
+    with pytest.raises(ValueError, match=f"exceeds the model's max_position_embeddings {max_pos}"):
+        load_config(None, [f"model.path={base_model}", f"data.max_prompt_length={max_pos}",
+                           "data.max_response_length=8"])
+
+
+def test_resume_mode_disable_check_and_auto_skip(tmp_path):
+    from megatron_rl.config import environment_checks
+
+    run_dir = tmp_path / "run"
+    ck = run_dir / "checkpoints" / "iter_0000004"
+    (ck / "model_optim").mkdir(parents=True)
+    (ck / "run_state.json").write_text("{}")
+    (ck / "model_optim" / "metadata.json").write_text("{}")
+    (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("4")
+    auto = dict(environment_checks(load_config(None, BASE + [f"run_dir={run_dir}"])))
+    check = next(v for k, v in auto.items() if k.startswith("run_dir free"))
+    assert check().startswith("not applicable")
+    off = dict(environment_checks(load_config(None, BASE + [f"run_dir={run_dir}", "trainer.resume_mode=disable"])))
+    check = next(v for k, v in off.items() if k.startswith("run_dir free"))
+    with pytest.raises(RuntimeError, match=r"holds checkpoints of an earlier run \(latest step 4\)"):
+        check()

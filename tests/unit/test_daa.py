@@ -150,6 +150,18 @@ def test_tracker_errors():
         tr.estimate("p", 1, G, "posterior")
     with pytest.raises(ValueError):
         tr.record("p", 17, G)
+    with pytest.raises(ValueError):
+        tr.record("p", 1, 0)
+
+
+def test_group_without_valid_responses_records_nothing():
+    """Every reward of the group failed (G = 0 valid): no evidence, no crash (was a ValueError)."""
+    tr = DifficultyTracker()
+    tr.record("p", 2, 16)
+    before = tr.state_dict()
+    tr.record("p", 0, 0)
+    tr.record("q", 0, 0)
+    assert tr.state_dict() == before and len(tr) == 1
 
 
 def test_apply_daa_only_correct_positive_in_hard_eligible_groups():

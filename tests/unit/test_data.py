@@ -16,6 +16,7 @@ from megatron_rl.data.dataset import (
     read_records,
 )
 
+ROOT = Path(__file__).resolve().parents[2]
 DATA = Path("/work/shared/data")
 needs_shared = pytest.mark.skipif(not DATA.is_dir(), reason="shared/data not present")
 
@@ -193,3 +194,44 @@ def test_load_state_dict_checks():
         ds.load_state_dict({"epoch": 0, "position": 5})
     with pytest.raises(ValueError):
         PromptDataset([])
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda r: r.update(extra_info=[1]), "line 1: extra_info must be an object"),
+    (lambda r: r["reward_model"].update(ground_truth=""), "line 1: reward_model.ground_truth is empty"),
+    (lambda r: r["reward_model"].update(ground_truth=["1", "2"]), "line 1: answer must be a number or string, got list"),
+    (lambda r: r["prompt"][0].update(content=7), "line 1: prompt message content must be a string, got int"),
+])
+def test_malformed_rows_name_file_and_line(tmp_path, mutate, message):
+    row = _verl()
+    mutate(row)
+    _write_jsonl(tmp_path / "bad.jsonl", [row])
+    with pytest.raises(ValueError, match=f"bad.jsonl: {message}"):
+        load_rows(tmp_path / "bad.jsonl")
+
+
+def test_non_utf8_line_is_named(tmp_path):
+    p = tmp_path / "latin.jsonl"
+    p.write_bytes(b'{"a": 1}\n\xff\xfe\n')
+    with pytest.raises(ValueError, match=r"latin.jsonl:2: not UTF-8"):
+        read_records(p)
+
+
+def test_overlong_prompts_fail_at_launch_or_are_dropped(tmp_path, caplog):
+    from transformers import AutoTokenizer
+
+    from megatron_rl.data.prompts import check_prompt_lengths, render_prompt_ids
+
+    tok = AutoTokenizer.from_pretrained(ROOT / "examples/tiny/data/tokenizer")
+    rows = [_verl(), _verl(), _verl()]
+    rows[2]["prompt"][0]["content"] = "1+1=" * 40
+    _write_jsonl(tmp_path / "p.jsonl", rows)
+    loaded = load_rows(tmp_path / "p.jsonl")
+    limit = len(render_prompt_ids(tok, loaded[0].messages))
+    with pytest.raises(ValueError, match=r"1 of 3 prompts in data.train_files are longer than data.max_prompt_length "
+                                         rf"\({limit}\): .*p.jsonl: line 3 \(\d+ tokens\)"):
+        check_prompt_lengths(loaded, tok, limit, drop=False, what="data.train_files")
+    with caplog.at_level("WARNING"):
+        kept = check_prompt_lengths(loaded, tok, limit, drop=True, what="data.train_files")
+    assert kept == loaded[:2]
+    assert "dropped" in caplog.text
