@@ -73,9 +73,45 @@ def _rollout_server(argv: list[str]) -> int:
     return server_main(argv) or 0
 
 
+def _convert(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="megatron-rl convert",
+        description="Convert checkpoints between Hugging Face safetensors and megatron-core dist checkpoints.",
+    )
+    sub = parser.add_subparsers(dest="direction", required=True)
+    to_hf = sub.add_parser("to-hf", help="megatron checkpoint (a run dir, iter_NNNNNNN folder or dist checkpoint) -> HF")
+    to_hf.add_argument("--checkpoint", required=True, help="run dir (latest checkpoint), iter folder or dist checkpoint")
+    to_hf.add_argument("--out", required=True, help="HF folder to write")
+    to_hf.add_argument("--hf-config-dir", default=None,
+                       help="folder with config.json + tokenizer (default: the run's model.path)")
+    to_hf.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    to_mg = sub.add_parser("to-megatron", help="HF folder -> model-only megatron dist checkpoint (any TP/PP loads it)")
+    to_mg.add_argument("--hf", required=True, help="Hugging Face model folder")
+    to_mg.add_argument("--out", required=True, help="empty folder for the dist checkpoint")
+    to_mg.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    args = parser.parse_args(argv)
+
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    from megatron_rl.checkpoint.convert import export_to_hf, import_from_hf
+
+    try:
+        if args.direction == "to-hf":
+            out = export_to_hf(args.checkpoint, args.out, hf_config_dir=args.hf_config_dir, dtype=args.dtype)
+        else:
+            out = import_from_hf(args.hf, args.out, dtype=args.dtype)
+    except (ValueError, FileNotFoundError, FileExistsError, KeyError) as e:
+        print(f"megatron-rl convert: error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}")
+    return 0
+
+
 COMMANDS = {
     "train": _train,
     "rollout-server": _rollout_server,
+    "convert": _convert,
 }
 
 
@@ -90,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         print("  train           RL training from a YAML recipe (--config FILE [key=value ...] [--dry-run])",
               file=sys.stderr)
         print("  rollout-server  the embedded HF-transformers server speaking SGLang's HTTP API", file=sys.stderr)
+        print("  convert         to-hf | to-megatron checkpoint conversion", file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     return COMMANDS[argv[0]](argv[1:])
 
