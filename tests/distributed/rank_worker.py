@@ -33,6 +33,8 @@ def scenario_train() -> dict:
     started = time.monotonic()
     world_size = int(os.environ["WORLD_SIZE"])
     tie = os.environ.get("TIE", "0") == "1"
+    model_type = os.environ.get("ARCH", "qwen2")
+    kv_heads = int(os.environ.get("KV_HEADS", "2"))
     groups = initialize_parallel(tensor_model_parallel_size=world_size, backend="gloo", timeout_s=60, seed=1234)
     assert cpu_compat_enabled()
     assert (groups.world_size, groups.tp_size, groups.pp_size, groups.dp_size, groups.cp_size) == (
@@ -43,7 +45,7 @@ def scenario_train() -> dict:
 
     assert dist.get_world_size(groups.tp) == world_size and dist.get_world_size(groups.dp) == 1
 
-    hf_config = tiny_hf_config(tie_word_embeddings=tie)
+    hf_config = tiny_hf_config(tie_word_embeddings=tie, model_type=model_type, num_key_value_heads=kv_heads)
     hf_model = tiny_hf_model(hf_config, seed=0)  # same seed on every rank: same weights
     hf_sd = hf_state_dict(hf_model, hf_config)
 

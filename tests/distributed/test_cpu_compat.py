@@ -14,12 +14,17 @@ from tiny_qwen2 import run_ranks
 
 
 @pytest.mark.parametrize(
-    "world_size, tie",
-    [(1, False), (2, True), (2, False)],
-    ids=["ws1-tp1-untied", "ws2-tp2-tied", "ws2-tp2-untied"],
+    "world_size, tie, arch, kv_heads",
+    [(1, False, "qwen2", 2), (2, True, "qwen2", 2), (2, False, "qwen2", 2),
+     (1, False, "qwen3", 4), (2, True, "qwen3", 2), (1, True, "llama", 1), (2, False, "llama", 2)],
+    ids=["ws1-tp1-qwen2-untied-gqa2", "ws2-tp2-qwen2-tied-gqa2", "ws2-tp2-qwen2-untied-gqa2",
+         "ws1-tp1-qwen3-untied-mha", "ws2-tp2-qwen3-tied-gqa2", "ws1-tp1-llama-tied-mqa", "ws2-tp2-llama-untied-gqa2"],
 )
-def test_tiny_gpt_train_step_on_gloo(world_size, tie):
-    results = run_ranks("train", world_size, timeout_s=120, extra_env={"TIE": "1" if tie else "0"})
+def test_tiny_gpt_train_step_on_gloo(world_size, tie, arch, kv_heads):
+    """HF logits / log-probs / entropy == megatron's (< 1e-4, fp32), export bit-identical, one step,
+    for each supported architecture, tied and untied embeddings and GQA ratios 1, 2 and 4."""
+    results = run_ranks("train", world_size, timeout_s=120,
+                        extra_env={"TIE": "1" if tie else "0", "ARCH": arch, "KV_HEADS": str(kv_heads)})
     assert sorted(r["rank"] for r in results) == list(range(world_size))
     losses = {r["loss"] for r in results}
     assert len(losses) == 1, losses  # TP ranks compute the same (replicated) loss

@@ -19,17 +19,27 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 TINY_VOCAB = 200  # padded to 256 (TP=1, TP=2): exercises the padded-vocabulary masking
 
 
-def tiny_hf_config(*, tie_word_embeddings: bool) -> dict:
-    """HF config.json dict of a 2-layer Qwen2 (hidden 64, GQA 4 heads / 2 KV heads, q/k/v bias)."""
+ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+
+
+def tiny_hf_config(*, tie_word_embeddings: bool, model_type: str = "qwen2", num_key_value_heads: int = 2) -> dict:
+    """HF config.json dict of a 2-layer model (hidden 64, 4 attention heads, `num_key_value_heads`
+    KV heads): qwen2 (q/k/v bias), qwen3 (no bias, q/k RMSNorm, explicit head_dim 16) or llama."""
+    extra = {}
+    if model_type == "qwen3":
+        extra = {"head_dim": 16, "attention_bias": False}
+    elif model_type == "llama":
+        extra = {"attention_bias": False, "mlp_bias": False}
     return {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
+        "architectures": [ARCHITECTURES[model_type]],
+        "model_type": model_type,
+        **extra,
         "vocab_size": TINY_VOCAB,
         "hidden_size": 64,
         "intermediate_size": 128,
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
-        "num_key_value_heads": 2,
+        "num_key_value_heads": num_key_value_heads,
         "hidden_act": "silu",
         "max_position_embeddings": 128,
         "rms_norm_eps": 1e-6,
@@ -42,13 +52,14 @@ def tiny_hf_config(*, tie_word_embeddings: bool) -> dict:
 
 
 def tiny_hf_model(hf_config: dict, *, seed: int = 0):
-    """Random fp32 ``Qwen2ForCausalLM`` (eager attention) with every weight, bias and norm random."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """Random fp32 HF causal LM of `hf_config`'s model_type (eager attention) with every weight,
+    bias and norm random."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = Qwen2Config(**{k: v for k, v in hf_config.items() if k != "architectures"})
+    config = AutoConfig.for_model(**{k: v for k, v in hf_config.items() if k != "architectures"})
     config._attn_implementation = "eager"
     generator = torch.Generator().manual_seed(seed)
-    model = Qwen2ForCausalLM(config).float().eval()
+    model = AutoModelForCausalLM.from_config(config).float().eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=generator)
