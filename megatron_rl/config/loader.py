@@ -352,6 +352,18 @@ def environment_checks(cfg: Config) -> list[tuple[str, callable]]:
                 "Set trainer.nproc_per_node=1 and the parallel sizes to 1 (multi-process training is not supported yet)"
             )
 
+    def sequence_parallel() -> str | None:
+        if not t.sequence_parallel:
+            return "not applicable: trainer.sequence_parallel is off"
+        from megatron_rl.models.builder import transformer_engine_usable
+
+        if not transformer_engine_usable():
+            raise RuntimeError(
+                "trainer.sequence_parallel needs Transformer Engine: megatron-core's local layer spec (used "
+                "without TE, e.g. on CPU) has no sequence-parallel LayerNorm/RMSNorm. Set "
+                "trainer.sequence_parallel=false or install Transformer Engine"
+            )
+
     def fp8() -> str | None:
         if t.fp8 is None:
             return "not applicable: trainer.fp8 is unset"
@@ -406,6 +418,7 @@ def environment_checks(cfg: Config) -> list[tuple[str, callable]]:
         ("one trainer process (multi-process training is not supported yet)", single_process),
         ("data files exist", data_files),
         ("Transformer Engine and a Hopper GPU for FP8", fp8),
+        ("Transformer Engine for sequence parallelism", sequence_parallel),
         ("model.path holds a Hugging Face model", model_files),
         ("rollout servers reachable (rollout.server_urls)", servers),
     ]

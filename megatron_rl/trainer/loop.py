@@ -375,6 +375,8 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
     trainer = PolicyTrainer(
         ddp_model, optimizer, scheduler, vocab_size=spec.vocab_size, micro_batch_size=a.ppo_micro_batch_size,
         tp_group=pgs.tp if t.tensor_model_parallel_size > 1 else None, ref_model=ref_model,
+        dp_group=pgs.dp_cp if pgs.dp_size * pgs.cp_size > 1 else None,
+        pp_group=pgs.pp if pgs.pp_size > 1 else None,
         loss=LossSettings(
             policy_loss=a.policy_loss, loss_agg_mode=a.loss_agg_mode,
             loss_scale_factor=a.loss_scale_factor or (float(cfg.data.max_response_length)
@@ -524,12 +526,12 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
             pad_to_multiple_of=t.tensor_model_parallel_size if t.sequence_parallel else 1,
         )
         t_lp = time.perf_counter()
-        batch.old_logprobs = trainer.compute_logprobs(batch)
+        mini_seqs = a.ppo_mini_batch_size * cfg.rollout.n
+        batch.old_logprobs = trainer.compute_logprobs(batch, mini_batch_sequences=mini_seqs)
         if ref_model is not None:
-            batch.ref_logprobs = trainer.compute_logprobs(batch, model=ref_model)
+            batch.ref_logprobs = trainer.compute_logprobs(batch, model=ref_model, mini_batch_sequences=mini_seqs)
         t_upd = time.perf_counter()
-        history = trainer.update(batch, mini_batch_sequences=a.ppo_mini_batch_size * cfg.rollout.n,
-                                 ppo_epochs=a.ppo_epochs)
+        history = trainer.update(batch, mini_batch_sequences=mini_seqs, ppo_epochs=a.ppo_epochs)
         t_sync = time.perf_counter()
 
         # 7. weight sync: the servers move to the new version before the next rollout.

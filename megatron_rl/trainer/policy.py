@@ -73,10 +73,18 @@ class PolicyTrainer:
         loss: `LossSettings`.
         tp_group: tensor-parallel group for the vocab-parallel log-probs (None at TP=1).
         ref_model: frozen reference model chunks, only with a KL loss.
+        dp_group: data-parallel group (with context-parallel ranks); None = no data parallelism.
+        pp_group: pipeline-parallel group; None = one stage.
+
+    Layouts: every rank is handed the whole step's batch. Each mini-batch is split into equal
+    contiguous shares, one per DP rank (its sequences must divide evenly); a rank runs its share
+    through megatron-core's schedule (1F1B across `pp_group`), and megatron-core reduces the
+    gradients and the loss normaliser over all micro-batches and DP ranks. Log-probs and metrics
+    are gathered so that every rank returns the same full-batch values.
     """
 
     def __init__(self, model, optimizer, scheduler, *, vocab_size: int, micro_batch_size: int,
-                 loss: LossSettings, tp_group=None, ref_model=None) -> None:
+                 loss: LossSettings, tp_group=None, ref_model=None, dp_group=None, pp_group=None) -> None:
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -85,7 +93,74 @@ class PolicyTrainer:
         self.loss = loss
         self.tp_group = tp_group
         self.ref_model = ref_model
+        self.dp_group = dp_group
+        self.pp_group = pp_group
         self._loss_fn = POLICY_LOSSES.get(loss.policy_loss)
+
+    # ---- layout helpers ------------------------------------------------------------------------
+    @staticmethod
+    def _size_rank(group) -> tuple[int, int]:
+        import torch.distributed as dist
+
+        if group is None:
+            return 1, 0
+        return dist.get_world_size(group), dist.get_rank(group)
+
+    @property
+    def is_last_stage(self) -> bool:
+        size, rank = self._size_rank(self.pp_group)
+        return rank == size - 1
+
+    def _dp_share(self, mini: TrainBatch) -> TrainBatch:
+        """This DP rank's contiguous share of a mini-batch.
+
+        Raises:
+            ValueError: the mini-batch does not split evenly over the data-parallel ranks.
+        """
+        size, rank = self._size_rank(self.dp_group)
+        if size == 1:
+            return mini
+        if len(mini) % size:
+            raise ValueError(f"a mini-batch of {len(mini)} sequences does not split over {size} data-parallel ranks "
+                             "(actor.ppo_mini_batch_size x rollout.n must be a multiple of the data-parallel size)")
+        per = len(mini) // size
+        return mini.slice(rank * per, (rank + 1) * per)
+
+    def _minis(self, n: int, mini_batch_sequences: int | None) -> list[tuple[int, int]]:
+        step = mini_batch_sequences or n
+        return [(s, min(s + step, n)) for s in range(0, n, step)]
+
+    def _gather_rows(self, local: torch.Tensor) -> torch.Tensor:
+        """All-gather a DP share's rows [n/dp, ...] -> [n, ...] in DP-rank order."""
+        import torch.distributed as dist
+
+        size, _ = self._size_rank(self.dp_group)
+        if size == 1:
+            return local
+        parts = [torch.empty_like(local) for _ in range(size)]
+        dist.all_gather(parts, local.contiguous(), group=self.dp_group)
+        return torch.cat(parts, dim=0)
+
+    def _from_last_stage(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Broadcast a tensor of the last pipeline stage to every stage (same shape everywhere)."""
+        import torch.distributed as dist
+
+        size, _ = self._size_rank(self.pp_group)
+        if size == 1:
+            return tensor
+        dist.broadcast(tensor, src=dist.get_global_rank(self.pp_group, size - 1), group=self.pp_group)
+        return tensor
+
+    def _sum_metrics(self, sums: dict) -> dict:
+        """Sum metric sums over the pipeline group (only the last stage has them) and DP ranks."""
+        import torch.distributed as dist
+
+        keys = sorted(sums)
+        t = torch.tensor([float(sums[k]) for k in keys], dtype=torch.float64)
+        for group in (self.pp_group, self.dp_group):
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.all_reduce(t, group=group)
+        return dict(zip(keys, t.tolist()))
 
     # ---- forward-only passes -------------------------------------------------------------
     def _schedule(self):
@@ -93,16 +168,18 @@ class PolicyTrainer:
 
         return get_forward_backward_func()
 
-    def compute_logprobs(self, batch: TrainBatch, *, model=None) -> torch.Tensor:
-        """Per-token log-probs of `batch.labels` at every position: [N, S] float32 (no grad).
+    def compute_logprobs(self, batch: TrainBatch, *, model=None, mini_batch_sequences: int | None = None) -> torch.Tensor:
+        """Per-token log-probs of `batch.labels` at every position: [N, S] float32 (no grad), the
+        same full tensor on every rank.
 
-        Uses the same micro-batch layout as `update`, so the recompute is bit-identical to the
-        first update's forward pass.
+        Pass the `mini_batch_sequences` of the coming `update`: the recompute then uses the same
+        DP shares and micro-batch layout, so it is bit-identical to the first update's forward pass.
         """
         model = model or self.model
         for m in model:
             m.eval()
-        mbs = list(batch.micro_batches(self.micro_batch_size))
+        shares = [self._dp_share(batch.slice(a, b)) for a, b in self._minis(len(batch), mini_batch_sequences)]
+        mbs = [mb for share in shares for mb in share.micro_batches(self.micro_batch_size)]
 
         def forward_step(data_iterator, m):
             mb = next(data_iterator)
@@ -123,7 +200,18 @@ class PolicyTrainer:
             )
         for m in model:
             m.train()
-        return torch.cat([o["logprobs"].float() for o in out], dim=0)
+        local_rows = sum(len(s) for s in shares)
+        if self.is_last_stage:
+            local = torch.cat([o["logprobs"].float() for o in out], dim=0)
+        else:
+            local = torch.empty((local_rows, batch.input_ids.shape[1]), dtype=torch.float32)
+        local = self._from_last_stage(local)
+        # rows are [mini 0 share, mini 1 share, ...] on each DP rank: gather per mini-batch
+        pieces, offset = [], 0
+        for share in shares:
+            pieces.append(self._gather_rows(local[offset : offset + len(share)]))
+            offset += len(share)
+        return torch.cat(pieces, dim=0)
 
     # ---- the update --------------------------------------------------------------------------
     def _loss_func(self, mb: TrainBatch, output: torch.Tensor):
@@ -167,9 +255,10 @@ class PolicyTrainer:
 
         After it, each parameter's `main_grad` holds the gradient of the mini-batch loss, already
         divided by the global normaliser (all micro-batches, all DP ranks) by megatron-core's
-        `finalize_model_grads`. Returns the per-micro-batch metric sums.
+        `finalize_model_grads`. `mini` is the whole mini-batch (this rank runs its DP share).
+        Returns the per-micro-batch metric sums of this rank (empty on non-last pipeline stages).
         """
-        mbs = list(mini.micro_batches(self.micro_batch_size))
+        mbs = list(self._dp_share(mini).micro_batches(self.micro_batch_size))
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -211,6 +300,7 @@ class PolicyTrainer:
                 for o in out:
                     for k, v in o.items():
                         sums[k] = sums.get(k, 0.0) + float(v)
+                sums = self._sum_metrics(sums)
                 tokens = max(sums["tokens"], 1.0)
                 rec = {
                     "train/loss": sums["loss_num"] / max(sums["loss_count"], 1.0),

@@ -113,10 +113,80 @@ def scenario_train() -> dict:
     }
 
 
+def scenario_layouts() -> dict:
+    """TP = $TP, PP = $PP, DP = the rest: log-probs, one mini-batch's gradients and two PPO updates
+    of a fixed batch; tensors go to $OUT_DIR/rank{r}.pt in HF names (first TP and DP rank of each
+    stage), scalars to the RESULT line. The test compares every layout with one process."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_rl.models.builder import build_model, wrap_ddp_and_optimizer
+    from megatron_rl.models.hf_config import build_transformer_config
+    from megatron_rl.models.hf_weights import iter_hf_weights, load_hf_weights
+    from megatron_rl.parallel.groups import destroy_parallel, initialize_parallel
+    from megatron_rl.trainer.batch import build_train_batch
+    from megatron_rl.trainer.policy import LossSettings, PolicyTrainer
+    from tiny_qwen2 import hf_state_dict, tiny_hf_config, tiny_hf_model
+
+    tp, pp = int(os.environ["TP"]), int(os.environ["PP"])
+    tie = os.environ.get("TIE", "0") == "1"
+    g = initialize_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, backend="gloo",
+                            timeout_s=120, seed=1234)
+    hf_config = tiny_hf_config(tie_word_embeddings=tie)
+    sd = hf_state_dict(tiny_hf_model(hf_config, seed=0), hf_config)
+    sp = os.environ.get("SP", "0") == "1"
+    tf_config = build_transformer_config(hf_config, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                         sequence_parallel=sp)
+    model = build_model(hf_config, tf_config, pre_process=g.is_pipeline_first_stage,
+                        post_process=g.is_pipeline_last_stage)
+    load_hf_weights(model, sd, tp_rank=g.tp_rank, tp_size=tp)
+    tm = wrap_ddp_and_optimizer(model, tf_config, lr=1e-3, weight_decay=0.0, clip_grad=1.0,
+                                use_distributed_optimizer=os.environ.get("DISTOPT", "0") == "1")
+    loss = LossSettings(
+        policy_loss="vanilla", loss_agg_mode=os.environ.get("AGG", "token-mean"), loss_scale_factor=None,
+        clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, gspo_clip_low=3e-4, gspo_clip_high=4e-4,
+        cispo_clip_low=None, cispo_clip_high=0.28, tis_enable=False, tis_clip=2.0, kl_coef=0.0, kl_type="k3",
+        entropy_coeff=0.0,
+    )
+    trainer = PolicyTrainer(tm.model, tm.optimizer, tm.scheduler, vocab_size=hf_config["vocab_size"],
+                            micro_batch_size=2, loss=loss, tp_group=g.tp if tp > 1 else None,
+                            dp_group=g.dp_cp if g.dp_size > 1 else None, pp_group=g.pp if pp > 1 else None)
+    gen = torch.Generator().manual_seed(7)
+    lengths = [(3, 5), (2, 2), (4, 7), (1, 3), (5, 4), (2, 6), (3, 1), (4, 4)]
+    prompts = [torch.randint(1, 199, (p,), generator=gen).tolist() for p, _ in lengths]
+    responses = [torch.randint(1, 199, (r,), generator=gen).tolist() for _, r in lengths]
+    batch = build_train_batch(prompts, responses, advantages=[1.0, -0.5, 0.25, -1.0, 0.75, -0.25, 0.5, -0.75],
+                              rollout_logprobs=[[-1.0] * len(r) for r in responses], trained=[True] * 8, pad_id=0,
+                              pad_to_multiple_of=tp if sp else 1)
+    old = trainer.compute_logprobs(batch, mini_batch_sequences=4)
+    # off-policy by a fixed offset so the clip is exercised
+    batch.old_logprobs = old + 0.05 * torch.sign(torch.sin(torch.arange(old.numel(), dtype=torch.float32))).view_as(old)
+    trainer.accumulate_gradients(batch.slice(0, 4))
+    chunk = tm.model[0].module
+    saved = {n: p.detach().clone() for n, p in chunk.named_parameters()}
+    with torch.no_grad():
+        for n, p in chunk.named_parameters():
+            p.copy_(p.main_grad)
+        grads = {name: t.clone() for name, t in iter_hf_weights(chunk, hf_config, tp_group=g.tp if tp > 1 else None)}
+        for n, p in chunk.named_parameters():
+            p.copy_(saved[n])
+    if os.environ.get("DISTOPT", "0") == "1":
+        grads = {}  # the distributed optimizer reduce-scatters: main_grad holds only this rank's reduced shard
+    history = trainer.update(batch, mini_batch_sequences=4)
+    with torch.no_grad():
+        params = {name: t.clone() for name, t in iter_hf_weights(chunk, hf_config, tp_group=g.tp if tp > 1 else None)}
+    if g.tp_rank == 0 and g.dp_rank == 0:
+        torch.save({"grads": grads, "params": params, "logprobs": old, "loss_mask": batch.loss_mask},
+                   Path(os.environ["OUT_DIR"]) / f"rank{g.rank}.pt")
+    dist.barrier()
+    destroy_parallel()
+    return {"rank": g.rank, "tp": g.tp_size, "pp": g.pp_size, "dp": g.dp_size, "history": history}
+
+
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format=f"[rank {os.environ.get('RANK')}] %(name)s: %(message)s")
     scenario = sys.argv[1]
-    result = {"train": scenario_train}[scenario]()
+    result = {"train": scenario_train, "layouts": scenario_layouts}[scenario]()
     print("RESULT " + json.dumps(result), flush=True)
 
 

@@ -189,3 +189,16 @@ def test_resume_mode_disable_check_and_auto_skip(tmp_path):
     check = next(v for k, v in off.items() if k.startswith("run_dir free"))
     with pytest.raises(RuntimeError, match=r"holds checkpoints of an earlier run \(latest step 4\)"):
         check()
+
+
+def test_sequence_parallel_without_te_is_a_launch_error():
+    from megatron_rl.config import environment_checks
+    from megatron_rl.models.builder import transformer_engine_usable
+
+    cfg = load_config(None, BASE + ["trainer.tensor_model_parallel_size=2", "trainer.sequence_parallel=true"])
+    check = dict(environment_checks(cfg))["Transformer Engine for sequence parallelism"]
+    if transformer_engine_usable():
+        assert check() is None
+    else:
+        with pytest.raises(RuntimeError, match="sequence_parallel needs Transformer Engine"):
+            check()
