@@ -35,6 +35,8 @@ def _train(argv: list[str]) -> int:
         for desc, _ in environment_checks(cfg):
             print(f"# environment check deferred to launch: {desc}")
         return 0
+    if cfg.trainer.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ:
+        return _launch_local_ranks(cfg.trainer.nproc_per_node, argv)
     from megatron_rl.trainer.loop import TrainingInterrupted, run_training
 
     try:
@@ -59,12 +61,66 @@ def _train(argv: list[str]) -> int:
         if os.environ.get("MEGATRON_RL_TRACEBACK"):
             raise
         return 1
+    if os.environ.get("RANK", "0") != "0":
+        return 0
     keys = [k for k in ("eval_before", "eval_after") if k in summary]
     for k in keys:
         ev = summary[k]
         print(f"{k}: " + ", ".join(f"{m}={ev[m]:.3f}" for m in ev if isinstance(ev[m], float) and m != "wall_s"))
     print(f"summary: {cfg.run_dir}/summary.json")
     return 0
+
+
+def _launch_local_ranks(nproc: int, argv: list[str]) -> int:
+    """Re-run this command as `nproc` trainer processes on this machine, with torchrun's
+    environment contract (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); rank 0 is the
+    controller. SIGTERM / SIGUSR1 / SIGINT go to every rank (they finish the step, checkpoint
+    together and exit); when one rank fails the others are stopped. Returns rank 0's exit code
+    (75 = stopped by a signal, resumable), or the first failing rank's."""
+    import signal
+    import socket
+    import subprocess
+    import time
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = []
+    for rank in range(nproc):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        # the rollout server started by rank 0 gets the user's thread settings back (rollout_server_env)
+        env["MEGATRON_RL_USER_OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "")
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # megatron-core's advice for TP comm overlap
+        procs.append(subprocess.Popen([sys.executable, "-m", "megatron_rl.cli", "train", *argv], env=env))
+
+    def forward(signum, frame):
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    try:
+        failed_at = None
+        while any(p.poll() is None for p in procs):
+            codes = [p.poll() for p in procs]
+            bad = [i for i, c in enumerate(codes) if c not in (None, 0, 75)]
+            if bad and failed_at is None:
+                failed_at = time.monotonic()
+            if failed_at is not None and time.monotonic() - failed_at > 30:  # the others wait on a dead peer
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+            time.sleep(0.2)
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    codes = [p.returncode for p in procs]
+    bad = [c for c in codes if c not in (0, 75)]
+    if codes[0] not in (0, 75) or not bad:
+        return codes[0]
+    return bad[0]
 
 
 def _rollout_server(argv: list[str]) -> int:

@@ -342,15 +342,20 @@ def environment_checks(cfg: Config) -> list[tuple[str, callable]]:
                 f"{t.pipeline_model_parallel_size}*{t.context_parallel_size}"
             )
 
-    def single_process() -> None:
-        # The loop trains in one process in this release; TP/PP/DP launch is the 3D-parallel issue.
+    def data_parallel_split() -> None:
         world = int(os.environ.get("WORLD_SIZE", t.nproc_per_node))
-        layout = (t.tensor_model_parallel_size, t.pipeline_model_parallel_size, t.context_parallel_size)
-        if world != 1 or layout != (1, 1, 1):
+        mp = t.tensor_model_parallel_size * t.pipeline_model_parallel_size * t.context_parallel_size
+        if world % mp:
+            return  # reported by world_size()
+        dp = world // mp
+        mini = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
+        if mini % dp:
             raise RuntimeError(
-                f"this release trains in one process; got world size {world} and TP/PP/CP {layout}. "
-                "Set trainer.nproc_per_node=1 and the parallel sizes to 1 (multi-process training is not supported yet)"
+                f"actor.ppo_mini_batch_size x rollout.n = {mini} sequences per mini-batch do not split over "
+                f"{dp} data-parallel ranks (world {world} / TP*PP*CP {mp})"
             )
+        if t.context_parallel_size > 1:
+            raise RuntimeError("trainer.context_parallel_size > 1 is not supported by the trainer yet (set it to 1)")
 
     def sequence_parallel() -> str | None:
         if not t.sequence_parallel:
@@ -415,7 +420,7 @@ def environment_checks(cfg: Config) -> list[tuple[str, callable]]:
     return [
         ("world size divisible by TP*PP*CP", world_size),
         ("run_dir free of an earlier run's checkpoints when trainer.resume_mode is disable", run_dir_state),
-        ("one trainer process (multi-process training is not supported yet)", single_process),
+        ("mini-batches split evenly over data-parallel ranks", data_parallel_split),
         ("data files exist", data_files),
         ("Transformer Engine and a Hopper GPU for FP8", fp8),
         ("Transformer Engine for sequence parallelism", sequence_parallel),

@@ -93,6 +93,12 @@ class RolloutConfig:
     """-1 = whole vocabulary."""
     deterministic: bool = True
     """Derive each response's `sampling_seed` from (seed, step, prompt, response) so a run repeats."""
+    enable_deterministic_inference: bool = False
+    """Start the servers with `--enable-deterministic-inference` (SGLang's flag): results do not
+    depend on how concurrent requests are batched, so runs repeat bit for bit even when timing
+    differs (e.g. another parallel layout), at a throughput cost (the embedded server then decodes
+    one request at a time). Without it, batching can move log-probs by ~1e-7 and rarely flip a
+    sampled token."""
     timeout_s: float = 600.0
     """HTTP timeout of one /generate call."""
     startup_timeout_s: float = 180.0

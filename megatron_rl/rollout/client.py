@@ -169,6 +169,10 @@ class GenerateRequest:
     return_logprob: bool = True
 
 
+KEEPALIVE_EXPIRY_S = 2.0
+"""Idle seconds after which a pooled connection is dropped (below uvicorn's 5 s keep-alive timeout)."""
+
+
 class RolloutClient:
     """Client of one rollout server (SGLang or embedded), one method per endpoint.
 
@@ -244,8 +248,12 @@ class RolloutClient:
                 base_url=self.base_url,
                 timeout=self.timeout_s,
                 transport=self._transport,
-                # one thread: one request at a time; keep its connection alive between calls
-                limits=httpx.Limits(max_connections=4, max_keepalive_connections=4),
+                # one thread: one request at a time; keep its connection alive between calls, but
+                # drop it after 2 s idle: uvicorn (SGLang's server and ours) closes idle
+                # connections after its keep-alive timeout (5 s by default), and a request sent on a
+                # connection the server is closing at that moment is reset without an answer.
+                limits=httpx.Limits(max_connections=4, max_keepalive_connections=4,
+                                    keepalive_expiry=KEEPALIVE_EXPIRY_S),
             )
         return http
 
@@ -294,6 +302,15 @@ class RolloutClient:
             except httpx.TimeoutException as e:
                 if method != "GET":
                     raise RolloutServerError(f"{method} {url} timed out after {timeout:.0f} s", url=url) from e
+                err = e
+            except (httpx.RemoteProtocolError, httpx.ReadError) as e:
+                # "Server disconnected without sending a response" / "Connection reset by peer": the
+                # keep-alive race above, the server closed a reused idle connection as the request
+                # went out, so it never ran. Sending it again is safe (generation is keyed by rid
+                # and seeded); a second failure on a fresh connection is a real error.
+                if attempt >= 1:
+                    raise RolloutServerError(f"{method} {url} failed: {e!r}", url=url) from e
+                logger.warning("%s %s: %r on a reused connection; retrying once on a new one", method, url, e)
                 err = e
             except httpx.HTTPError as e:
                 raise RolloutServerError(f"{method} {url} failed: {e!r}", url=url) from e

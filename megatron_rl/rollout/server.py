@@ -1472,7 +1472,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logger.info(
         "serving on http://%s:%d (eos ids %s, weight_version %s)", args.host, args.port, eos, args.weight_version
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    # keep idle connections longer than clients keep them (KEEPALIVE_EXPIRY_S) so the server is
+    # never the side that closes a connection a client is about to reuse
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False, timeout_keep_alive=75)
     logger.info("shut down (signal or parent exit)")
     engine.close()
     return 0

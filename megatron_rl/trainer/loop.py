@@ -33,6 +33,8 @@ def setup_logging(run_dir: Path, rank: int) -> None:
         root.removeHandler(h)
     console = logging.StreamHandler()
     console.setFormatter(fmt)
+    if rank != 0:  # the controller narrates; other ranks' INFO lines go to their own log file
+        console.setLevel(logging.WARNING)
     root.addHandler(console)
     run_dir.mkdir(parents=True, exist_ok=True)
     fh = logging.FileHandler(run_dir / ("train.log" if rank == 0 else f"train_rank{rank}.log"))
@@ -43,6 +45,26 @@ def setup_logging(run_dir: Path, rank: int) -> None:
 
 
 _CONTROLLER: dict = {}  # the running controller, for error reports
+
+_TRAINER_ONLY_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+                     "TORCHELASTIC_RUN_ID", "CUDA_DEVICE_MAX_CONNECTIONS", "MEGATRON_RL_USER_OMP_NUM_THREADS")
+
+
+def rollout_server_env() -> dict[str, str]:
+    """The environment of an embedded rollout server: this process's, without the trainer's
+    rank variables, and with the user's OMP_NUM_THREADS rather than the one-thread-per-rank value
+    the local launcher sets (the server's thread count changes its numerics, so it must not depend
+    on the trainer's layout)."""
+    env = dict(os.environ)
+    user_threads = env.get("MEGATRON_RL_USER_OMP_NUM_THREADS")
+    for key in _TRAINER_ONLY_ENV:
+        env.pop(key, None)
+    if user_threads is not None:
+        if user_threads:
+            env["OMP_NUM_THREADS"] = user_threads
+        else:
+            env.pop("OMP_NUM_THREADS", None)
+    return env
 
 
 class _Controller:
@@ -72,13 +94,15 @@ class _Controller:
         urls = []
         for i in range(r.num_servers):
             extra = ["--max-batch-size", str(r.server_max_batch_size), "--random-seed", str(cfg.trainer.seed)]
+            if r.enable_deterministic_inference:
+                extra.append("--enable-deterministic-inference")
             if r.api_key:
                 extra += ["--api-key", r.api_key]
             if r.admin_api_key:
                 extra += ["--admin-api-key", r.admin_api_key]
             server = launch_rollout_server(
                 cfg.model.path, log_path=str(Path(cfg.run_dir) / f"rollout_server_{i}.log"),
-                extra_args=extra, startup_timeout_s=r.startup_timeout_s,
+                extra_args=extra, startup_timeout_s=r.startup_timeout_s, env=rollout_server_env(),
             )
             self._servers.append(server)
             urls.append(server.base_url)
@@ -323,22 +347,23 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
         save_config(cfg, run_dir / "config.yaml")
     torch.manual_seed(t.seed)
 
-    # data first: a bad row or an over-long prompt fails in seconds, before the model is built
+    # data first: a bad row or an over-long prompt fails in seconds, before the model is built.
+    # Only the controller reads the data; the other ranks receive each step's batch from it.
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     train_rows = []
-    for f in cfg.data.train_files:
+    for f in cfg.data.train_files if is_controller else []:
         train_rows += load_rows(f, adapter=cfg.data.train_adapter)
-    if not train_rows:
+    if not train_rows and is_controller:
         raise ValueError("data.train_files holds no rows")
     val_rows = []
-    for f in cfg.data.val_files:
+    for f in cfg.data.val_files if is_controller else []:
         val_rows += load_rows(f, adapter=cfg.data.val_adapter)
     if cfg.eval.max_problems:
         val_rows = val_rows[: cfg.eval.max_problems]
     train_rows = check_prompt_lengths(train_rows, tokenizer, cfg.data.max_prompt_length,
                                       drop=cfg.data.filter_overlong_prompts, what="data.train_files")
-    if not train_rows:
+    if not train_rows and is_controller:
         raise ValueError("data.train_files: every prompt is longer than data.max_prompt_length")
     val_rows = check_prompt_lengths(val_rows, tokenizer, cfg.data.max_prompt_length,
                                     drop=cfg.data.filter_overlong_prompts, what="data.val_files")
@@ -353,8 +378,9 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
         params_dtype=torch.bfloat16 if t.precision == "bf16" else torch.float32, bf16=t.precision == "bf16",
         fp8=t.fp8, fp8_recipe=t.fp8_recipe if t.fp8 else None, recompute=t.recompute,
     )
-    model = build_model(hf_config, tf_config, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
-    load_hf_weights(model, cfg.model.path)
+    model = build_model(hf_config, tf_config, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
+                        pre_process=pgs.is_pipeline_first_stage, post_process=pgs.is_pipeline_last_stage)
+    load_hf_weights(model, cfg.model.path, tp_rank=pgs.tp_rank, tp_size=pgs.tp_size)
     o = cfg.actor.optim
     steps_per_rl_step = (cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size) * cfg.actor.ppo_epochs
     tm = wrap_ddp_and_optimizer(
@@ -367,8 +393,9 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
     ddp_model, optimizer, scheduler = tm.model, tm.optimizer, tm.scheduler
     ref_model = None
     if cfg.actor.use_kl_loss:
-        ref_model = build_model(hf_config, tf_config, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
-        load_hf_weights(ref_model, cfg.model.path)
+        ref_model = build_model(hf_config, tf_config, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
+                                pre_process=pgs.is_pipeline_first_stage, post_process=pgs.is_pipeline_last_stage)
+        load_hf_weights(ref_model, cfg.model.path, tp_rank=pgs.tp_rank, tp_size=pgs.tp_size)
         ref_model.requires_grad_(False)
         ref_model = [ref_model]
     a = cfg.actor
@@ -388,7 +415,7 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
         ),
     )
 
-    dataset = PromptDataset(train_rows, seed=t.seed, shuffle=cfg.data.shuffle)
+    dataset = PromptDataset(train_rows, seed=t.seed, shuffle=cfg.data.shuffle) if is_controller else None
     daa = cfg.algorithm.daa
     tracker = DifficultyTracker(a0=daa.prior_a, b0=daa.prior_b)
     fg = cfg.algorithm.filter_groups
@@ -402,7 +429,8 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
         # Exact resume: weights, optimizer, scheduler, RNG, data cursor, difficulty history.
         state = load_checkpoint(run_dir, resumed_from, model=ddp_model, optimizer=optimizer, scheduler=scheduler)
         _warn_config_changes(cfg, run_dir / "checkpoints" / f"iter_{resumed_from:07d}" / "config.yaml")
-        dataset.load_state_dict(state["data"])
+        if is_controller:
+            dataset.load_state_dict(state["data"])
         tracker.load_state_dict(state["difficulty"])
         weight_version = int(state["weight_version"])
         total_tokens = int(state.get("total_generated_tokens", 0))
@@ -412,18 +440,31 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
         start_step = resumed_from + 1
         summary["resumed_from_step"] = resumed_from
         logger.info("resuming from step %d (%s); next step %d", resumed_from, run_dir / "checkpoints", start_step)
-    ctl.connect(tokenizer)
-    writer = MetricsWriter(run_dir, tensorboard=t.tensorboard, wandb_project="megatron-rl" if t.wandb else None,
-                           resume_from_step=resumed_from)
-    stack.callback(writer.close)
+    writer = None
+    if is_controller:
+        ctl.connect(tokenizer)
+        writer = MetricsWriter(run_dir, tensorboard=t.tensorboard, wandb_project="megatron-rl" if t.wandb else None,
+                               resume_from_step=resumed_from)
+        stack.callback(writer.close)
     stop = _ExitSignal(enabled=t.exit_signal_handler)
     stack.callback(stop.restore)
 
+    tp_group = pgs.tp if pgs.tp_size > 1 else None
+
     def push_weights(version: int) -> dict:
+        """Every rank calls it: the controller sends all stages' HF tensors to the servers; the first
+        DP replica's ranks take part in the TP gathers, and each later stage's first TP rank
+        forwards its tensors to the controller (DESIGN.md step 7)."""
         with torch.no_grad():
-            return ctl.sender.sync(iter_hf_weights(model, hf_config), weight_version=str(version))
+            if is_controller:
+                return ctl.sender.sync(_all_stage_weights(model, hf_config, pgs), weight_version=str(version))
+            if pgs.dp_rank == 0 and pgs.cp_rank == 0:
+                _send_stage_weights(model, hf_config, pgs)
+            return {}
 
     def run_eval(tag: str) -> dict:
+        if not is_controller:
+            return {}
         res = evaluate(ctl.manager, val_rows, n=cfg.eval.n, temperature=cfg.eval.temperature,
                        top_p=cfg.eval.top_p, seed=cfg.eval.seed, max_new_tokens=eval_len, tag=tag)
         logger.info("eval %s: %s", tag, {k: round(v, 4) for k, v in res.items() if isinstance(v, float)})
@@ -436,7 +477,7 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
         writer.write(0, {f"eval/{k}": v for k, v in summary["eval_before"].items() if isinstance(v, float)})
 
     progress = None
-    if t.progress_bar:
+    if t.progress_bar and is_controller:
         from tqdm import tqdm
 
         # disable=None: no bar when stderr is not a terminal (logs then get one line a step instead)
@@ -448,7 +489,7 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
     def checkpoint(step: int) -> None:
         save_checkpoint(
             run_dir, step, model=ddp_model, optimizer=optimizer, scheduler=scheduler,
-            run_state={"data": dataset.state_dict(), "difficulty": tracker.state_dict(),
+            run_state={"data": dataset.state_dict() if dataset is not None else {}, "difficulty": tracker.state_dict(),
                        "weight_version": weight_version, "total_generated_tokens": total_tokens,
                        "wall_s": wall_before + time.perf_counter() - t_start,
                        **({"eval_before": summary["eval_before"]} if "eval_before" in summary else {})},
@@ -462,69 +503,85 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
         q_hats: dict[str, float] = {}
         generated = {"tokens": 0, "responses": 0}
 
-        # 1-3. draw prompts, rollout, reward (one generation batch per call).
-        def generate_batch(batch_idx: int):
-            rows = dataset.next_batch(gen_batch_size)
-            groups, tm = ctl.manager.generate_groups(rows, n=cfg.rollout.n, sampling_params=sampling,
-                                                     step=step, gen_batch=batch_idx)
-            for k, v in tm.items():
-                timings[k] += v
-            for g in groups:
-                k_correct, g_valid = g.num_correct, g.num_valid
-                generated["tokens"] += sum(len(s.response_ids) for s in g.samples)
-                generated["responses"] += len(g.samples)
-                if 1 <= k_correct <= g_valid - 1:
-                    q_hats[g.group_uid] = tracker.estimate(g.prompt_key, k_correct, g_valid, daa.difficulty)
-                if g_valid:  # a group whose every reward failed says nothing about the prompt
-                    tracker.record(g.prompt_key, k_correct, g_valid)
-            return groups
+        def prepare():
+            """Steps 1-5 on the controller: the step's groups, their advantages and the batch."""
+            # 1-3. draw prompts, rollout, reward (one generation batch per call).
+            def generate_batch(batch_idx: int):
+                rows = dataset.next_batch(gen_batch_size)
+                groups, tm = ctl.manager.generate_groups(rows, n=cfg.rollout.n, sampling_params=sampling,
+                                                         step=step, gen_batch=batch_idx)
+                for k, v in tm.items():
+                    timings[k] += v
+                for g in groups:
+                    k_correct, g_valid = g.num_correct, g.num_valid
+                    generated["tokens"] += sum(len(s.response_ids) for s in g.samples)
+                    generated["responses"] += len(g.samples)
+                    if 1 <= k_correct <= g_valid - 1:
+                        q_hats[g.group_uid] = tracker.estimate(g.prompt_key, k_correct, g_valid, daa.difficulty)
+                    if g_valid:  # a group whose every reward failed says nothing about the prompt
+                        tracker.record(g.prompt_key, k_correct, g_valid)
+                return groups
 
-        def keep(group) -> bool:
-            values = group.metric_values(fg.metric)
-            return len(values) >= 2 and max(values) > min(values)
+            def keep(group) -> bool:
+                values = group.metric_values(fg.metric)
+                return len(values) >= 2 and max(values) > min(values)
 
-        # 4. dynamic sampling (or keep every group of one batch).
-        kept, ds_stats = collect_groups(
-            generate_batch, train_batch_size=cfg.data.train_batch_size,
-            max_num_gen_batches=fg.max_num_gen_batches, on_exhausted=fg.on_exhausted,
-            ppo_mini_batch_size=a.ppo_mini_batch_size, dp_size=pgs.dp_size, enable=fg.enable, keep_fn=keep,
-            solve_rate_fn=lambda g: g.num_correct / max(g.num_valid, 1),
-        )
-        samples = [s for g in kept for s in g.samples]
+            # 4. dynamic sampling (or keep every group of one batch).
+            kept, ds_stats = collect_groups(
+                generate_batch, train_batch_size=cfg.data.train_batch_size,
+                max_num_gen_batches=fg.max_num_gen_batches, on_exhausted=fg.on_exhausted,
+                ppo_mini_batch_size=a.ppo_mini_batch_size, dp_size=pgs.dp_size, enable=fg.enable, keep_fn=keep,
+                solve_rate_fn=lambda g: g.num_correct / max(g.num_valid, 1),
+            )
+            samples = [s for g in kept for s in g.samples]
 
-        # 5. advantages, then DAA on hard prompts' correct responses.
-        t_adv = time.perf_counter()
-        rewards = torch.tensor([s.score for s in samples], dtype=torch.float64)
-        valid = torch.tensor([not s.failed for s in samples], dtype=torch.bool)
-        uids = [s.group_uid for s in samples]
-        resp_mask = None
-        if cfg.algorithm.adv_estimator == "reinforce_plus_plus_baseline":
-            width = max(len(s.response_ids) for s in samples)
-            resp_mask = torch.zeros((len(samples), width), dtype=torch.bool)
-            for i, s in enumerate(samples):
-                resp_mask[i, : len(s.response_ids)] = not s.failed
-        adv = compute_advantages(
-            cfg.algorithm.adv_estimator, rewards, uids, valid, response_mask=resp_mask,
-            grpo_std=cfg.algorithm.grpo_std, norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
-        )
-        daa_stats = {}
-        if daa.enable:
-            group_index = torch.tensor([i for i, g in enumerate(kept) for _ in g.samples], dtype=torch.long)
-            q = torch.tensor([q_hats.get(g.group_uid, 1.0) for g in kept], dtype=torch.float64)
-            eligible = torch.tensor([g.group_uid in q_hats for g in kept], dtype=torch.bool)
-            correct = torch.tensor([s.acc and not s.failed for s in samples], dtype=torch.bool)
-            adv, daa_stats = apply_daa(adv, correct, group_index, q, eligible, factor=daa.factor,
-                                       hard_threshold=daa.hard_threshold, max_factor=daa.max_factor,
-                                       gamma=daa.gamma)
-        trained = [not s.failed and not (a.mask_truncated and s.truncated) for s in samples]
+            # 5. advantages, then DAA on hard prompts' correct responses.
+            t_adv = time.perf_counter()
+            rewards = torch.tensor([s.score for s in samples], dtype=torch.float64)
+            valid = torch.tensor([not s.failed for s in samples], dtype=torch.bool)
+            uids = [s.group_uid for s in samples]
+            resp_mask = None
+            if cfg.algorithm.adv_estimator == "reinforce_plus_plus_baseline":
+                width = max(len(s.response_ids) for s in samples)
+                resp_mask = torch.zeros((len(samples), width), dtype=torch.bool)
+                for i, s in enumerate(samples):
+                    resp_mask[i, : len(s.response_ids)] = not s.failed
+            adv = compute_advantages(
+                cfg.algorithm.adv_estimator, rewards, uids, valid, response_mask=resp_mask,
+                grpo_std=cfg.algorithm.grpo_std, norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
+            )
+            daa_stats = {}
+            if daa.enable:
+                group_index = torch.tensor([i for i, g in enumerate(kept) for _ in g.samples], dtype=torch.long)
+                q = torch.tensor([q_hats.get(g.group_uid, 1.0) for g in kept], dtype=torch.float64)
+                eligible = torch.tensor([g.group_uid in q_hats for g in kept], dtype=torch.bool)
+                correct = torch.tensor([s.acc and not s.failed for s in samples], dtype=torch.bool)
+                adv, daa_stats = apply_daa(adv, correct, group_index, q, eligible, factor=daa.factor,
+                                           hard_threshold=daa.hard_threshold, max_factor=daa.max_factor,
+                                           gamma=daa.gamma)
+            trained = [not s.failed and not (a.mask_truncated and s.truncated) for s in samples]
 
-        # 6. old log-probs (same layout as the update), then PPO mini-batch updates.
-        batch = build_train_batch(
-            [s.prompt_ids for s in samples], [s.response_ids for s in samples],
-            advantages=adv.tolist(), rollout_logprobs=[s.rollout_logprobs for s in samples],
-            trained=trained, pad_id=pad_id,
-            pad_to_multiple_of=t.tensor_model_parallel_size if t.sequence_parallel else 1,
-        )
+            # 6. old log-probs (same layout as the update), then PPO mini-batch updates.
+            batch = build_train_batch(
+                [s.prompt_ids for s in samples], [s.response_ids for s in samples],
+                advantages=adv.tolist(), rollout_logprobs=[s.rollout_logprobs for s in samples],
+                trained=trained, pad_id=pad_id,
+                pad_to_multiple_of=t.tensor_model_parallel_size if t.sequence_parallel else 1,
+            )
+            return batch, samples, kept, ds_stats, daa_stats, t_adv
+
+        # 1-5 happen on the controller; the other ranks receive the batch (or the controller's error)
+        samples = kept = None
+        ds_stats, daa_stats, t_adv = {}, {}, t_step
+        if is_controller:
+            try:
+                batch, samples, kept, ds_stats, daa_stats, t_adv = prepare()
+            except Exception as e:
+                _broadcast_batch(RuntimeError(f"{type(e).__name__}: {e}"), pgs)
+                raise
+            _broadcast_batch(batch, pgs)
+        else:
+            batch = _broadcast_batch(None, pgs)
         t_lp = time.perf_counter()
         mini_seqs = a.ppo_mini_batch_size * cfg.rollout.n
         batch.old_logprobs = trainer.compute_logprobs(batch, mini_batch_sequences=mini_seqs)
@@ -540,33 +597,34 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
         t_end = time.perf_counter()
 
         # 8. metrics, eval, checkpoint.
-        m = _step_metrics(samples, kept, ds_stats, daa_stats, history, cfg)
-        with torch.no_grad():
-            diff = (batch.old_logprobs - batch.rollout_logprobs).abs()[batch.loss_mask]
-        m["train/rollout_logprob_abs_diff"] = float(diff.mean()) if diff.numel() else 0.0
-        total_tokens += generated["tokens"]
-        m.update(timings)
-        m.update({
-            "timing/advantage_s": t_lp - t_adv, "timing/old_logprob_s": t_upd - t_lp,
-            "timing/update_s": t_sync - t_upd, "timing/weight_sync_s": t_end - t_sync,
-            "timing/step_s": t_end - t_step,
-            "perf/generated_tokens": generated["tokens"], "perf/total_generated_tokens": total_tokens,
-            "perf/generate_tokens_per_s": generated["tokens"] / max(timings["timing/generate_s"], 1e-9),
-            "perf/train_tokens_per_s": int(batch.loss_mask.sum()) / max(t_sync - t_lp, 1e-9),
-            "weight_sync/version": weight_version,
-        })
-        m.update({k: v for k, v in sync_metrics.items() if isinstance(v, (int, float))})
-        if cfg.eval.interval and step % cfg.eval.interval == 0 and step != t.total_training_steps and val_rows:
-            ev = run_eval(f"eval_step{step}")
-            m.update({f"eval/{k}": v for k, v in ev.items() if isinstance(v, float)})
-        writer.write(step, m)
-        if progress is not None:
-            progress.update(1)
-            progress.set_postfix(acc=f"{m['train/acc']:.2f}", kept=m["train/kept_groups"],
-                                 len=f"{m['response_length/mean']:.0f}")
-        logger.info("step %d: acc %.3f score %.3f kept %d gen_batches %d loss %.4f grad_norm %.3f (%.1fs)",
-                    step, m["train/acc"], m["train/score"], m["train/kept_groups"], m["train/num_gen_batches"],
-                    m["train/loss"], m["train/grad_norm"], m["timing/step_s"])
+        total_tokens += generated["tokens"]  # (0 on non-controller ranks)
+        if is_controller:
+            m = _step_metrics(samples, kept, ds_stats, daa_stats, history, cfg)
+            with torch.no_grad():
+                diff = (batch.old_logprobs - batch.rollout_logprobs).abs()[batch.loss_mask]
+            m["train/rollout_logprob_abs_diff"] = float(diff.mean()) if diff.numel() else 0.0
+            m.update(timings)
+            m.update({
+                "timing/advantage_s": t_lp - t_adv, "timing/old_logprob_s": t_upd - t_lp,
+                "timing/update_s": t_sync - t_upd, "timing/weight_sync_s": t_end - t_sync,
+                "timing/step_s": t_end - t_step,
+                "perf/generated_tokens": generated["tokens"], "perf/total_generated_tokens": total_tokens,
+                "perf/generate_tokens_per_s": generated["tokens"] / max(timings["timing/generate_s"], 1e-9),
+                "perf/train_tokens_per_s": int(batch.loss_mask.sum()) / max(t_sync - t_lp, 1e-9),
+                "weight_sync/version": weight_version,
+            })
+            m.update({k: v for k, v in sync_metrics.items() if isinstance(v, (int, float))})
+            if cfg.eval.interval and step % cfg.eval.interval == 0 and step != t.total_training_steps and val_rows:
+                ev = run_eval(f"eval_step{step}")
+                m.update({f"eval/{k}": v for k, v in ev.items() if isinstance(v, float)})
+            writer.write(step, m)
+            if progress is not None:
+                progress.update(1)
+                progress.set_postfix(acc=f"{m['train/acc']:.2f}", kept=m["train/kept_groups"],
+                                     len=f"{m['response_length/mean']:.0f}")
+            logger.info("step %d: acc %.3f score %.3f kept %d gen_batches %d loss %.4f grad_norm %.3f (%.1fs)",
+                        step, m["train/acc"], m["train/score"], m["train/kept_groups"], m["train/num_gen_batches"],
+                        m["train/loss"], m["train/grad_norm"], m["timing/step_s"])
         stopping = stop.requested() and step != t.total_training_steps
         if (t.save_interval and step % t.save_interval == 0) or (t.save_last and step == t.total_training_steps) \
                 or stopping:
@@ -576,7 +634,7 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
                            stop.signal_name, step)
             raise TrainingInterrupted(step, run_dir)
 
-    if cfg.eval.after_train and val_rows:
+    if cfg.eval.after_train and val_rows and is_controller:
         summary["eval_after"] = run_eval("eval_after")
         writer.write(t.total_training_steps,
                      {f"eval/{k}": v for k, v in summary["eval_after"].items() if isinstance(v, float)})
@@ -586,9 +644,63 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
     if "eval_before" in summary and "eval_after" in summary:
         n = cfg.eval.n
         summary["delta_avg@%d" % n] = summary["eval_after"][f"avg@{n}"] - summary["eval_before"][f"avg@{n}"]
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    if is_controller:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     logger.info("done in %.1fs; summary in %s", summary["wall_s"], run_dir / "summary.json")
     return summary
+
+
+def _broadcast_batch(batch, pgs):
+    """Controller (global rank 0) -> every rank: the step's `TrainBatch`, or the exception that
+    stopped the controller (re-raised on every rank so that no rank waits for a batch forever)."""
+    import torch.distributed as dist
+
+    if pgs.world_size == 1:
+        return batch
+    box = [batch]
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], BaseException):
+        if pgs.rank == 0:
+            return None
+        raise RuntimeError(f"the controller (rank 0) stopped: {type(box[0]).__name__}: {box[0]}")
+    return box[0]
+
+
+def _all_stage_weights(model, hf_config, pgs):
+    """On the controller: this stage's HF tensors (TP-gathered), then every later pipeline
+    stage's, received from that stage's first TP rank of the first DP replica, in stage order."""
+    import torch.distributed as dist
+
+    from megatron_rl.models.hf_weights import iter_hf_weights
+
+    yield from iter_hf_weights(model, hf_config, tp_group=pgs.tp if pgs.tp_size > 1 else None)
+    for stage in range(1, pgs.pp_size):
+        src = dist.get_global_rank(pgs.pp, stage)
+        while True:
+            box = [None]
+            dist.recv_object_list(box, src=src)
+            if box[0] is None:
+                break
+            name, shape, dtype = box[0]
+            tensor = torch.empty(shape, dtype=dtype)
+            dist.recv(tensor, src=src)
+            yield name, tensor
+
+
+def _send_stage_weights(model, hf_config, pgs) -> None:
+    """The other ranks of the first DP replica: take part in this stage's TP gathers; a later
+    stage's first TP rank sends the tensors to the controller (see `_all_stage_weights`)."""
+    import torch.distributed as dist
+
+    from megatron_rl.models.hf_weights import iter_hf_weights
+
+    sender = pgs.pp_rank > 0 and pgs.tp_rank == 0
+    for name, tensor in iter_hf_weights(model, hf_config, tp_group=pgs.tp if pgs.tp_size > 1 else None):
+        if sender:
+            dist.send_object_list([(name, tuple(tensor.shape), tensor.dtype)], dst=0)
+            dist.send(tensor.contiguous(), dst=0)
+    if sender:
+        dist.send_object_list([None], dst=0)
 
 
 def _step_metrics(samples, kept, ds_stats: dict, daa_stats: dict, history: list[dict], cfg: Config) -> dict:

@@ -123,15 +123,19 @@ def test_dry_run_bad_key_exits_2():
     assert "unknown config key 'actor.bogus'" in out.stderr
 
 
-def test_multi_process_layout_is_a_clear_launch_error(monkeypatch):
+def test_data_parallel_split_is_a_clear_launch_error(monkeypatch):
     from megatron_rl.config import environment_checks
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    cfg = load_config(None, BASE + ["trainer.nproc_per_node=2", "trainer.tensor_model_parallel_size=2"])
-    checks = dict(environment_checks(cfg))
-    check = next(fn for desc, fn in checks.items() if desc.startswith("one trainer process"))
-    with pytest.raises(RuntimeError, match="trains in one process.*TP/PP/CP \\(2, 1, 1\\)"):
+    # world 4, TP 1 -> DP 4; 3 prompts x 2 responses = 6 sequences a mini-batch do not split over 4
+    cfg = load_config(None, BASE + ["trainer.nproc_per_node=4", "actor.ppo_mini_batch_size=3", "rollout.n=2",
+                                    "data.train_batch_size=6"])
+    check = dict(environment_checks(cfg))["mini-batches split evenly over data-parallel ranks"]
+    with pytest.raises(RuntimeError, match="= 6 sequences per mini-batch do not split over 4 data-parallel ranks"):
         check()
+    ok = load_config(None, BASE + ["trainer.nproc_per_node=4", "trainer.tensor_model_parallel_size=2",
+                                   "actor.ppo_mini_batch_size=3", "rollout.n=2", "data.train_batch_size=6"])
+    assert dict(environment_checks(ok))["mini-batches split evenly over data-parallel ranks"]() is None
 
 
 @pytest.mark.parametrize("override, message", [

@@ -163,6 +163,38 @@ def test_retries_only_when_the_request_never_arrived():
     assert calls["n"] == 1  # a POST that may have arrived is never re-sent
 
 
+@pytest.mark.parametrize("error", [httpx.RemoteProtocolError("Server disconnected without sending a response."),
+                                   httpx.ReadError("[Errno 104] Connection reset by peer")])
+def test_stale_keepalive_connection_is_retried_once(error):
+    """uvicorn closes idle keep-alive connections after 5 s; a request sent on one as it closes is
+    reset before it runs. It is sent again once; a second reset is an error."""
+    calls = {"n": 0}
+
+    def flaky(request: httpx.Request) -> httpx.Response:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise type(error)(str(error), request=request)
+        return httpx.Response(200, json=_answer([11, QWEN_IM_END], {"type": "stop", "matched": QWEN_IM_END}))
+
+    assert _mock_client(flaky).generate([1, 2], {}, rid="r").output_ids == [11, QWEN_IM_END]
+    assert calls["n"] == 2
+
+    def dead(request: httpx.Request) -> httpx.Response:
+        calls["n"] += 1
+        raise type(error)(str(error), request=request)
+
+    calls["n"] = 0
+    with pytest.raises(RolloutServerError, match="failed"):
+        _mock_client(dead).generate([1, 2], {}, rid="r")
+    assert calls["n"] == 2
+
+
+def test_pooled_connections_expire_before_the_servers_keepalive():
+    from megatron_rl.rollout.client import KEEPALIVE_EXPIRY_S
+
+    assert KEEPALIVE_EXPIRY_S < 5.0  # uvicorn's (and SGLang's) default timeout_keep_alive
+
+
 def test_generate_many_keeps_input_order():
     lock = threading.Lock()
     arrival = []

@@ -1,0 +1,56 @@
+"""The main job launched as several local trainer processes (`trainer.nproc_per_node`): TP=2,
+PP=2, DP=2 and TP=2 x PP=2 runs of the CI recipe give the same per-step metrics as one process
+(rollouts are seeded and batch-invariant with `rollout.enable_deterministic_inference`, and start
+from the same weights; the update is equal up to fp32 reduction order, see
+tests/distributed/test_layouts.py). Only rank 0 talks to the rollout server."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(900)
+STEPS = 3
+EXACT = ("train/acc", "train/score", "train/kept_groups", "train/num_gen_batches", "response_length/mean",
+         "weight_sync/version", "weight_sync/num_tensors")
+CLOSE = ("train/loss", "train/grad_norm", "train/entropy", "train/pg_clipfrac", "train/ppo_kl")
+
+
+def _run(run_dir: Path, *overrides: str) -> dict[int, dict]:
+    out = subprocess.run(
+        [sys.executable, "-m", "megatron_rl.cli", "train", "--config", str(ROOT / "examples/tiny/ci.yaml"),
+         f"run_dir={run_dir}", f"trainer.total_training_steps={STEPS}", "trainer.progress_bar=false",
+         "eval.max_problems=16", "eval.n=2", "rollout.enable_deterministic_inference=true",
+         "data.train_batch_size=4", "data.gen_batch_size=6", "rollout.n=4", "actor.ppo_mini_batch_size=2",
+         *overrides],
+        capture_output=True, text=True, timeout=840, cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows if "train/acc" in r}
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("ws1") / "run")
+
+
+@pytest.mark.parametrize("nproc, tp, pp", [(2, 2, 1), (2, 1, 2), (2, 1, 1), (4, 2, 2)],
+                         ids=["tp2", "pp2", "dp2", "tp2xpp2"])
+def test_layout_matches_one_process(one_process, tmp_path, nproc, tp, pp):
+    run_dir = tmp_path / "run"
+    got = _run(run_dir, f"trainer.nproc_per_node={nproc}", f"trainer.tensor_model_parallel_size={tp}",
+               f"trainer.pipeline_model_parallel_size={pp}")
+    assert sorted(got) == sorted(one_process) == list(range(1, STEPS + 1))
+    for step, want in one_process.items():
+        for key in EXACT:
+            assert got[step][key] == want[key], (step, key)
+        for key in CLOSE:
+            assert got[step][key] == pytest.approx(want[key], rel=1e-3, abs=1e-6), (step, key)
+    # only the controller writes the run's files; the other ranks log to their own files
+    assert (run_dir / "summary.json").is_file()
+    assert sorted(p.name for p in run_dir.glob("train_rank*.log")) == [f"train_rank{r}.log" for r in range(1, nproc)]
+    assert (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == str(STEPS)
