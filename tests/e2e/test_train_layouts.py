@@ -34,8 +34,14 @@ def _run(run_dir: Path, *overrides: str) -> dict[int, dict]:
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
-    return _run(tmp_path_factory.mktemp("ws1") / "run")
+def one_process_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("ws1") / "run"
+    return _run(run_dir), run_dir
+
+
+@pytest.fixture(scope="module")
+def one_process(one_process_run):
+    return one_process_run[0]
 
 
 @pytest.mark.parametrize("nproc, tp, pp", [(2, 2, 1), (2, 1, 2), (2, 1, 1), (4, 2, 2)],
@@ -54,3 +60,24 @@ def test_layout_matches_one_process(one_process, tmp_path, nproc, tp, pp):
     assert (run_dir / "summary.json").is_file()
     assert sorted(p.name for p in run_dir.glob("train_rank*.log")) == [f"train_rank{r}.log" for r in range(1, nproc)]
     assert (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").read_text() == str(STEPS)
+
+
+def test_resume_into_another_layout(one_process_run, tmp_path):
+    """The one-process run's checkpoint of step 2 (ci.yaml saves every 2 steps) resumed with
+    TP=2 x PP=2 on 4 ranks: megatron-core reshards weights and optimizer state; step 3 matches."""
+    import shutil
+
+    ref, ref_dir = one_process_run
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    shutil.copytree(ref_dir / "checkpoints" / "iter_0000002", run_dir / "checkpoints" / "iter_0000002")
+    (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("2")
+    rows = [line for line in (ref_dir / "metrics.jsonl").read_text().splitlines() if json.loads(line)["step"] <= 2]
+    (run_dir / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+    got = _run(run_dir, "trainer.nproc_per_node=4", "trainer.tensor_model_parallel_size=2",
+               "trainer.pipeline_model_parallel_size=2")
+    assert "resuming from step 2" in (run_dir / "train.log").read_text()
+    for key in EXACT:
+        assert got[3][key] == ref[3][key], key
+    for key in CLOSE:
+        assert got[3][key] == pytest.approx(ref[3][key], rel=1e-3, abs=1e-6), key
