@@ -132,6 +132,11 @@ def scenario_layouts() -> dict:
     tie = os.environ.get("TIE", "0") == "1"
     g = initialize_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, backend="gloo",
                             timeout_s=120, seed=1234)
+    world = int(os.environ["WORLD_SIZE"])
+    # a silent fall-back to one process must not pass: check the groups this rank really is in
+    assert (g.world_size, g.tp_size, g.pp_size, g.dp_size) == (world, tp, pp, world // (tp * pp)), g
+    assert dist.get_world_size(g.tp) == tp and dist.get_world_size(g.pp) == pp
+    assert dist.get_world_size(g.dp_cp) == world // (tp * pp)
     hf_config = tiny_hf_config(tie_word_embeddings=tie)
     sd = hf_state_dict(tiny_hf_model(hf_config, seed=0), hf_config)
     sp = os.environ.get("SP", "0") == "1"
@@ -140,10 +145,19 @@ def scenario_layouts() -> dict:
     model = build_model(hf_config, tf_config, pre_process=g.is_pipeline_first_stage,
                         post_process=g.is_pipeline_last_stage)
     load_hf_weights(model, sd, tp_rank=g.tp_rank, tp_size=tp)
+    # local shard shapes: vocab rows and the column-parallel QKV / fc1 split over TP, layers over PP
+    layers = model.decoder.layers
+    assert len(layers) == hf_config["num_hidden_layers"] // pp
+    qkv_rows = (hf_config["num_attention_heads"] + 2 * hf_config["num_key_value_heads"]) * 16  # head_dim 16
+    assert layers[0].self_attention.linear_qkv.weight.shape == (qkv_rows // tp, 64)
+    assert layers[0].mlp.linear_fc1.weight.shape == (2 * hf_config["intermediate_size"] // tp, 64)
+    if g.is_pipeline_first_stage:
+        assert model.embedding.word_embeddings.weight.shape == (256 // tp, 64)
     tm = wrap_ddp_and_optimizer(model, tf_config, lr=1e-3, weight_decay=0.0, clip_grad=1.0,
                                 use_distributed_optimizer=os.environ.get("DISTOPT", "0") == "1")
     loss = LossSettings(
-        policy_loss="vanilla", loss_agg_mode=os.environ.get("AGG", "token-mean"), loss_scale_factor=None,
+        policy_loss="vanilla", loss_agg_mode=os.environ.get("AGG", "token-mean"),
+        loss_scale_factor=10.0 if os.environ.get("AGG") == "seq-mean-token-sum-norm" else None,
         clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, gspo_clip_low=3e-4, gspo_clip_high=4e-4,
         cispo_clip_low=None, cispo_clip_high=0.28, tis_enable=False, tis_clip=2.0, kl_coef=0.0, kl_type="k3",
         entropy_coeff=0.0,
@@ -155,8 +169,11 @@ def scenario_layouts() -> dict:
     lengths = [(3, 5), (2, 2), (4, 7), (1, 3), (5, 4), (2, 6), (3, 1), (4, 4)]
     prompts = [torch.randint(1, 199, (p,), generator=gen).tolist() for p, _ in lengths]
     responses = [torch.randint(1, 199, (r,), generator=gen).tolist() for _, r in lengths]
+    # rows 2-3 untrained: with DP=2, rank 1's share of the first mini-batch has no loss token, and
+    # the shares of the second have 16 vs 8 tokens (case B05: the normaliser must be global)
     batch = build_train_batch(prompts, responses, advantages=[1.0, -0.5, 0.25, -1.0, 0.75, -0.25, 0.5, -0.75],
-                              rollout_logprobs=[[-1.0] * len(r) for r in responses], trained=[True] * 8, pad_id=0,
+                              rollout_logprobs=[[-1.0] * len(r) for r in responses],
+                              trained=[True, True, False, False, True, True, True, True], pad_id=0,
                               pad_to_multiple_of=tp if sp else 1)
     old = trainer.compute_logprobs(batch, mini_batch_sequences=4)
     # off-policy by a fixed offset so the clip is exercised

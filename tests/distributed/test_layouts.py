@@ -16,6 +16,7 @@ pytestmark = pytest.mark.timeout(600)
 
 
 def _run(tmp_path, name, tp, pp, world, tie=False, extra=None):
+    """Run the `layouts` scenario; each rank asserts its group sizes and local shard shapes."""
     out = tmp_path / name
     out.mkdir()
     results = run_ranks("layouts", world, timeout_s=300,
@@ -67,3 +68,16 @@ def test_layout_equals_one_process(reference, tmp_path, tp, pp, world, extra):
     # a wrong gradient or a missed reduction moves weights by ~1e-3.
     for name, want in ref["params"].items():
         assert (got["params"][name] - want).abs().max() < 1e-4, name
+
+
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
+def test_b05_data_parallel_normaliser_for_every_aggregation_mode(tmp_path, agg):
+    """B05: DP ranks with different loss-token counts (one with none) give the one-process
+    gradient for every aggregation mode (token-mean is covered above)."""
+    extra = {"AGG": agg}
+    ref = _run(tmp_path, "ref", 1, 1, 1, extra=extra)
+    got = _run(tmp_path, "dp2", 1, 1, 2, extra=extra)
+    _same_grads(got, ref)
+    for h_got, h_ref in zip(got["history"], ref["history"]):
+        assert h_got["train/loss"] == pytest.approx(h_ref["train/loss"], rel=1e-5)
+        assert h_got["train/grad_norm"] == pytest.approx(h_ref["train/grad_norm"], rel=1e-5)
