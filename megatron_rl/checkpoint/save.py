@@ -224,8 +224,14 @@ def _check_shapes(model_sd: dict, path: Path) -> None:
             raise ValueError(f"checkpoint {path} has no tensor {sh.key!r} (model shape {tuple(sh.global_shape)}); "
                              "was it written for another architecture?")
         if tuple(other.global_shape) != tuple(sh.global_shape):
+            hint = ""
+            if ("word_embeddings" in sh.key or "output_layer" in sh.key) and \
+                    tuple(other.global_shape)[1:] == tuple(sh.global_shape)[1:]:
+                hint = ("; the padded vocabulary is a multiple of model.make_vocab_size_divisible_by x TP (as in "
+                        "Megatron-LM), so it changes with the TP size: resume with the TP size that wrote the "
+                        "checkpoint, or choose make_vocab_size_divisible_by so that both layouts pad alike")
             raise ValueError(f"checkpoint {path}: tensor {sh.key!r} has shape {tuple(other.global_shape)}, "
-                             f"the model expects {tuple(sh.global_shape)}")
+                             f"the model expects {tuple(sh.global_shape)}{hint}")
 
 
 def _prune(root: Path, keep_last_n: int) -> None:

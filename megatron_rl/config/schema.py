@@ -39,8 +39,7 @@ class ModelConfig:
     tokenizer_path: Optional[str] = None
     """Tokenizer folder; defaults to `path`."""
     make_vocab_size_divisible_by: int = 128
-    """The vocabulary is padded to a multiple of lcm(this, TP) (TP-independent, so checkpoints move
-    between layouts; Megatron-LM uses this x TP); padded rows are masked."""
+    """megatron-core pads the vocabulary to a multiple of this times TP; padded rows are masked."""
 
     def __post_init__(self) -> None:
         _positive("model", "make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)

@@ -66,7 +66,7 @@ def build_model(
         tf_config: the ``TransformerConfig`` from ``build_transformer_config`` (same HF config).
         pre_process: this stage holds the embedding (first PP stage).
         post_process: this stage holds the final norm and output layer (last PP stage).
-        make_vocab_size_divisible_by: vocabulary padding multiple (see ``padded_vocab_size``).
+        make_vocab_size_divisible_by: vocabulary padding multiple (times TP).
         use_te: force (True) or forbid (False) the Transformer Engine spec; None picks TE when
             it is importable and CUDA is present.
 

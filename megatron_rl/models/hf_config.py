@@ -8,8 +8,6 @@ the embedding tying itself, so those come back separately in :class:`ModelSpec`.
 
 from __future__ import annotations
 
-import math
-
 import dataclasses
 import logging
 from typing import Any, Mapping
@@ -32,7 +30,7 @@ class ModelSpec:
     vocab_size: int
     """Vocabulary size of the tokenizer / HF embedding rows (unpadded)."""
     padded_vocab_size: int
-    """vocab_size rounded up to a multiple of lcm(make_vocab_size_divisible_by, TP) (megatron rows)."""
+    """vocab_size rounded up to a multiple of make_vocab_size_divisible_by x TP (megatron rows)."""
     tie_word_embeddings: bool
     """Whether the output layer shares the input embedding (share_embeddings_and_output_weights)."""
     max_position_embeddings: int
@@ -80,12 +78,7 @@ def _rope_theta(hf_config: Mapping[str, Any]) -> float:
 def padded_vocab_size(
     vocab_size: int, *, tensor_model_parallel_size: int = 1, make_vocab_size_divisible_by: int = 128
 ) -> int:
-    """Round ``vocab_size`` up to a multiple of lcm(``make_vocab_size_divisible_by``, TP).
-
-    Deliberate deviation from Megatron-LM, which rounds to ``make_vocab_size_divisible_by x TP``:
-    there the padded size, hence the embedding's global shape in a checkpoint, changes with TP, and
-    a checkpoint cannot be resumed into another TP size. With the lcm it only needs TP to divide it;
-    for the default 128 and any power-of-two TP <= 128 it is the same for every layout.
+    """Round ``vocab_size`` up to a multiple of ``make_vocab_size_divisible_by x TP`` (as megatron).
 
     Raises:
         ValueError: a non-positive argument.
@@ -97,7 +90,7 @@ def padded_vocab_size(
     ):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    multiple = math.lcm(make_vocab_size_divisible_by, tensor_model_parallel_size)
+    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
     return -(-vocab_size // multiple) * multiple
 
 

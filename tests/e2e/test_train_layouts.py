@@ -64,20 +64,34 @@ def test_layout_matches_one_process(one_process, tmp_path, nproc, tp, pp):
 
 def test_resume_into_another_layout(one_process_run, tmp_path):
     """The one-process run's checkpoint of step 2 (ci.yaml saves every 2 steps) resumed with
-    TP=2 x PP=2 on 4 ranks: megatron-core reshards weights and optimizer state; step 3 matches."""
+    PP=2 x DP=2 on 4 ranks: megatron-core reshards weights and optimizer state; step 3 matches.
+    A TP change changes the padded vocabulary (make_vocab_size_divisible_by x TP, case B29), so
+    resuming at TP=2 is refused with an error that names the tensor, both shapes and the cause."""
     import shutil
 
     ref, ref_dir = one_process_run
-    run_dir = tmp_path / "run"
-    (run_dir / "checkpoints").mkdir(parents=True)
-    shutil.copytree(ref_dir / "checkpoints" / "iter_0000002", run_dir / "checkpoints" / "iter_0000002")
-    (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("2")
-    rows = [line for line in (ref_dir / "metrics.jsonl").read_text().splitlines() if json.loads(line)["step"] <= 2]
-    (run_dir / "metrics.jsonl").write_text("\n".join(rows) + "\n")
-    got = _run(run_dir, "trainer.nproc_per_node=4", "trainer.tensor_model_parallel_size=2",
-               "trainer.pipeline_model_parallel_size=2")
+
+    def seeded_run_dir(name):
+        run_dir = tmp_path / name
+        (run_dir / "checkpoints").mkdir(parents=True)
+        shutil.copytree(ref_dir / "checkpoints" / "iter_0000002", run_dir / "checkpoints" / "iter_0000002")
+        (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("2")
+        rows = [line for line in (ref_dir / "metrics.jsonl").read_text().splitlines() if json.loads(line)["step"] <= 2]
+        (run_dir / "metrics.jsonl").write_text("\n".join(rows) + "\n")
+        return run_dir
+
+    run_dir = seeded_run_dir("pp2dp2")
+    got = _run(run_dir, "trainer.nproc_per_node=4", "trainer.pipeline_model_parallel_size=2")
     assert "resuming from step 2" in (run_dir / "train.log").read_text()
     for key in EXACT:
         assert got[3][key] == ref[3][key], key
     for key in CLOSE:
         assert got[3][key] == pytest.approx(ref[3][key], rel=1e-3, abs=1e-6), key
+
+    out = subprocess.run(
+        [sys.executable, "-m", "megatron_rl.cli", "train", "--config", str(ROOT / "examples/tiny/ci.yaml"),
+         f"run_dir={seeded_run_dir('tp2')}", "trainer.nproc_per_node=2", "trainer.tensor_model_parallel_size=2",
+         "trainer.progress_bar=false"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert out.returncode == 1
+    assert "embedding.word_embeddings.weight' has shape (128, 128), the model expects (256, 128)" in out.stderr
+    assert "make_vocab_size_divisible_by x TP" in out.stderr

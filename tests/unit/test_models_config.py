@@ -61,17 +61,14 @@ def test_qwen25_configs_map_to_megatron_fields(name):
     assert spec.padded_vocab_size == vocab
 
 
-def test_padded_vocab_is_a_multiple_of_lcm_128_tp():
-    # lcm(128, TP): the same padded size for every power-of-two TP, so checkpoints move between
-    # layouts (Megatron-LM's 128 x TP would give 152064 at TP=2 and 152576 for 152064 at TP=8)
+def test_padded_vocab_is_multiple_of_128_times_tp():
     assert padded_vocab_size(151936, tensor_model_parallel_size=1) == 151936
-    assert padded_vocab_size(151936, tensor_model_parallel_size=2) == 151936
-    assert padded_vocab_size(152064, tensor_model_parallel_size=8) == 152064  # 1188 * 128
+    assert padded_vocab_size(151936, tensor_model_parallel_size=2) == 152064  # 594 * 256
+    assert padded_vocab_size(152064, tensor_model_parallel_size=8) == 152576  # 149 * 1024 (148.5 rounded up)
     assert padded_vocab_size(200, tensor_model_parallel_size=1) == 256
     assert padded_vocab_size(200, tensor_model_parallel_size=4, make_vocab_size_divisible_by=64) == 256
-    assert padded_vocab_size(200, tensor_model_parallel_size=3) == 384  # lcm(128, 3) = 384
     spec = build_model_spec(_load("Qwen2.5-32B"), tensor_model_parallel_size=8)
-    assert spec.padded_vocab_size == 152064  # the HF embedding rows: no padding needed
+    assert spec.padded_vocab_size == 152576
 
 
 def test_parallel_and_precision_arguments_pass_through():
@@ -178,3 +175,14 @@ def test_load_rejects_wrong_shapes(megatron_world1):
     del state["model.norm.weight"]
     with pytest.raises(KeyError, match="model.norm.weight"):
         load_hf_weights(model, state)
+
+
+def test_b29_rope_base_and_vocab_padding_from_the_hf_config():
+    """B29: the RoPE base comes from the HF config (never a default); padded vocab =
+    ceil(V / (d * TP)) * d * TP with the case's numbers."""
+    hf = dict(_load("Qwen2.5-0.5B"), rope_theta=1e7)
+    assert build_model_spec(hf).rotary_base == 1e7
+    v = 151936
+    assert padded_vocab_size(v, tensor_model_parallel_size=2, make_vocab_size_divisible_by=128) == 152064
+    assert padded_vocab_size(v, tensor_model_parallel_size=2, make_vocab_size_divisible_by=1187) == 151936
+    assert padded_vocab_size(v, tensor_model_parallel_size=1, make_vocab_size_divisible_by=128) == 151936
