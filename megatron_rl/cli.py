@@ -78,13 +78,12 @@ def _launch_local_ranks(nproc: int, argv: list[str]) -> int:
     together and exit); when one rank fails the others are stopped. Returns rank 0's exit code
     (75 = stopped by a signal, resumable), or the first failing rank's."""
     import signal
-    import socket
     import subprocess
     import time
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from megatron_rl.ports import find_free_port
+
+    port = find_free_port()
     procs = []
     for rank in range(nproc):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),

@@ -40,29 +40,14 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 1000**3  # transformers' default max_shard_size "5
 def single_process_world() -> Iterator[None]:
     """A one-rank gloo world with megatron-core's parallel state, unless one is already up."""
     from megatron_rl.parallel.cpu_compat import enable_cpu_compat
-    from megatron_rl.parallel.groups import destroy_parallel, initialize_parallel
+    from megatron_rl.parallel.groups import world_of_one
 
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         yield
         return
     enable_cpu_compat()
-    import socket
-
-    saved = {k: os.environ.get(k) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    initialize_parallel(backend="gloo", timeout_s=600)
-    try:
+    with world_of_one(backend="gloo", timeout_s=600):
         yield
-    finally:
-        destroy_parallel()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> tuple[Path, Optional[Path]]:
@@ -116,12 +101,6 @@ def _build(hf_config: dict, dtype: torch.dtype):
 
     tf_config = build_transformer_config(hf_config, params_dtype=dtype, bf16=dtype == torch.bfloat16)
     return build_model(hf_config, tf_config)
-
-
-def _model_sharded_state_dict(model) -> dict:
-    from megatron_rl.checkpoint.save import SHARDING_METADATA
-
-    return {"model": model.sharded_state_dict(metadata=dict(SHARDING_METADATA))}
 
 
 def _dtype_of(hf_config: dict, override: Optional[str]) -> torch.dtype:
@@ -202,7 +181,7 @@ def export_to_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, h
     """
     from megatron.core import dist_checkpointing
 
-    from megatron_rl.checkpoint.save import _check_shapes
+    from megatron_rl.checkpoint.save import _check_shapes, _model_sharded_state_dict
     from megatron_rl.models.hf_weights import iter_hf_weights
 
     ckpt, iter_dir = resolve_checkpoint(checkpoint)
@@ -219,7 +198,7 @@ def export_to_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, h
     stored = emb.dtype if emb is not None else torch.float32
     with single_process_world():
         model = _build(hf_config, stored)
-        sharded = _model_sharded_state_dict(model)
+        sharded = _model_sharded_state_dict([model])
         _check_shapes(sharded, ckpt)
         loaded = dist_checkpointing.load(sharded, str(ckpt))
         model.load_state_dict(loaded["model"], strict=True)
@@ -247,7 +226,7 @@ def import_from_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dty
     """
     from megatron.core import dist_checkpointing
 
-    from megatron_rl.checkpoint.save import _in_process_results_queue
+    from megatron_rl.checkpoint.save import _in_process_results_queue, _model_sharded_state_dict
     from megatron_rl.models.hf_weights import load_hf_weights
 
     src = Path(hf_dir)
@@ -263,7 +242,7 @@ def import_from_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dty
         with torch.no_grad():
             load_hf_weights(model, src)
         _in_process_results_queue()
-        dist_checkpointing.save(_model_sharded_state_dict(model), str(out))
+        dist_checkpointing.save(_model_sharded_state_dict([model]), str(out))
     hf_side = out / "hf"
     hf_side.mkdir(exist_ok=True)
     for name in HF_SIDE_FILES:

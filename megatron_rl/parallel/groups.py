@@ -8,10 +8,12 @@ communicates. No other module calls ``parallel_state.get_*``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import logging
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -184,3 +186,32 @@ def destroy_parallel() -> None:
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def world_of_one(**kwargs) -> Iterator[ProcessGroups]:
+    """A one-process world on this host: torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE,
+    MASTER_ADDR, a free MASTER_PORT) are set for its duration and restored after, and
+    megatron-core's parallel state is initialised (`initialize_parallel(**kwargs)`) and destroyed.
+
+    Yields:
+        The :class:`ProcessGroups` of the world.
+    """
+    from megatron_rl.ports import find_free_port
+
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(find_free_port())}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        pgs = initialize_parallel(**kwargs)
+        try:
+            yield pgs
+        finally:
+            destroy_parallel()
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

@@ -5,38 +5,20 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from megatron_rl.ports import find_free_port
 from megatron_rl.rollout.client import RolloutClient
 from megatron_rl.rollout.errors import RolloutServerError
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["ServerProcess", "find_free_port", "launch_rollout_server"]
-
-_handed_out: set[int] = set()
-_ports_lock = threading.Lock()
-
-
-def find_free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` now and not handed out before by this process."""
-    with _ports_lock:
-        for _ in range(100):
-            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                s.bind((host, 0))
-                port = s.getsockname()[1]
-            if port not in _handed_out:
-                _handed_out.add(port)
-                return port
-    raise RuntimeError(f"no free port found on {host}")
-
 
 def _tail(path: Path, lines: int = 40) -> str:
     try:

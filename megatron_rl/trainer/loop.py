@@ -231,18 +231,10 @@ def _warn_config_changes(cfg: Config, saved_path: Path) -> None:
     """Log the keys whose values differ from the config the checkpoint was written with."""
     if not saved_path.is_file():
         return
+    from megatron_rl.config.loader import _flatten
+
     saved = yaml.safe_load(saved_path.read_text()) or {}
-
-    def flat(d, prefix=""):
-        out = {}
-        for k, v in d.items():
-            if isinstance(v, dict):
-                out.update(flat(v, f"{prefix}{k}."))
-            else:
-                out[f"{prefix}{k}"] = v
-        return out
-
-    old, new = flat(saved), flat(config_to_dict(cfg))
+    old, new = _flatten(saved), _flatten(config_to_dict(cfg))
     for key in sorted(set(old) | set(new)):
         if old.get(key) != new.get(key) and "api_key" not in key:
             logger.warning("resuming with a changed setting %s: %r (checkpoint) -> %r (now)", key, old.get(key), new.get(key))
@@ -318,7 +310,7 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
     from megatron_rl.models.hf_config import build_model_spec, build_transformer_config
     from megatron_rl.models.hf_weights import iter_hf_weights, load_hf_weights
     from megatron_rl.parallel.cpu_compat import enable_cpu_compat
-    from megatron_rl.parallel.groups import destroy_parallel, initialize_parallel
+    from megatron_rl.parallel.groups import destroy_parallel, initialize_parallel, world_of_one
     from megatron_rl.trainer.batch import build_train_batch
     from megatron_rl.trainer.policy import LossSettings, PolicyTrainer
 
@@ -329,20 +321,17 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
         torch.set_num_threads(cfg.trainer.num_threads)
     enable_cpu_compat()
     t = cfg.trainer
-    if "WORLD_SIZE" not in os.environ:  # a plain process, not under torchrun/srun: a world of one
-        import socket
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    pgs = initialize_parallel(
+    layout = dict(
         tensor_model_parallel_size=t.tensor_model_parallel_size,
         pipeline_model_parallel_size=t.pipeline_model_parallel_size,
         context_parallel_size=t.context_parallel_size, backend=t.distributed_backend,
         timeout_s=int(t.distributed_timeout_s), seed=t.seed,
     )
-    stack.callback(destroy_parallel)
+    if "WORLD_SIZE" not in os.environ:  # a plain process, not under torchrun/srun: a world of one
+        pgs = stack.enter_context(world_of_one(**layout))
+    else:
+        pgs = initialize_parallel(**layout)
+        stack.callback(destroy_parallel)
     if is_controller:
         save_config(cfg, run_dir / "config.yaml")
     torch.manual_seed(t.seed)

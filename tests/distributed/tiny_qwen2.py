@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -93,9 +92,9 @@ def ragged_batch(*, seed: int = 0, lengths=(5, 9, 3, 12), pad_id: int = 0):
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    from megatron_rl.ports import find_free_port
+
+    return find_free_port()
 
 
 def run_ranks(scenario: str, world_size: int, *, timeout_s: float = 90, extra_env: dict | None = None) -> list[dict]:
