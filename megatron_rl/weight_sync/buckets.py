@@ -28,7 +28,9 @@ __all__ = [
     "dtype_name",
     "flatten_bucket",
     "flattened_layout",
+    "server_weight_dtype",
     "unflatten_bucket",
+    "wire_buckets",
 ]
 
 MIB = 1024 * 1024
@@ -220,3 +222,44 @@ def cast_named_tensors(
         if target is not None and tensor.is_floating_point() and tensor.dtype != target:
             tensor = tensor.to(target)
         yield name, tensor
+
+
+def server_weight_dtype(model_info: dict, *, url: str = "the rollout server") -> torch.dtype | None:
+    """The weight dtype a server reports in ``/model_info`` (``"dtype"``), or None when it reports none.
+
+    SGLang 0.5.23 and the embedded server both put the dtype name there (e.g. ``"bfloat16"``).
+
+    Raises:
+        ValueError: the reported value is not a torch dtype name (names ``url`` and the value).
+    """
+    value = model_info.get("dtype")
+    if value is None:
+        return None
+    try:
+        return dtype_from_name(str(value))
+    except ValueError:
+        raise ValueError(f"{url} /model_info reports dtype {value!r}, which is not a torch dtype name") from None
+
+
+def wire_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    dtype: torch.dtype | str | None,
+    bucket_size_mib: float,
+) -> Iterator[tuple[torch.Tensor, BucketMeta]]:
+    """The one path from trainer tensors to sync payloads: cast, bucket, flatten (case B26).
+
+    Every sync path (the broadcast sender, the checksum check, benchmarks) goes through here,
+    so the declared dtype of a payload tensor is always its real dtype and always the server's
+    (``cast_named_tensors``), whatever the bucket size.
+
+    Args:
+        named_tensors: ``(HF name, full tensor)`` pairs, consumed lazily.
+        dtype: the servers' weight dtype (``server_weight_dtype``); None sends tensors as they are.
+        bucket_size_mib: most bytes per bucket (``bucket_named_tensors``), sizes measured after the cast.
+
+    Yields:
+        ``(flat, meta)``: ``flat`` ``[meta.nbytes] uint8`` and its ``BucketMeta``, in input order.
+    """
+    for bucket in bucket_named_tensors(cast_named_tensors(named_tensors, dtype), bucket_size_mib):
+        yield flatten_bucket(bucket)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from megatron_rl.rollout.client import RolloutClient
 from megatron_rl.rollout.errors import RolloutServerError, WeightSyncError
-from megatron_rl.weight_sync.buckets import bucket_named_tensors, cast_named_tensors, flatten_bucket
+from megatron_rl.weight_sync.buckets import server_weight_dtype, wire_buckets
 from megatron_rl.weight_sync.group import destroy_custom_process_group, init_custom_process_group
 
 logger = logging.getLogger(__name__)
@@ -106,10 +106,7 @@ class WeightSyncSender:
         try:
             tp_sizes = [int(t) for t in self._all(lambda c: c.tp_size())]
             if self.dtype is None:
-                info_dtype = self.clients[0].model_info().get("dtype")
-                self.dtype = (
-                    getattr(torch, info_dtype) if isinstance(info_dtype, str) and hasattr(torch, info_dtype) else None
-                )
+                self.dtype = server_weight_dtype(self.clients[0].model_info(), url=self.clients[0].base_url)
         except RolloutServerError as e:
             raise WeightSyncError(f"cannot query the rollout servers: {e}") from e
         world_size = 1 + sum(tp_sizes)
@@ -255,13 +252,13 @@ class WeightSyncSender:
         nbytes = num_buckets = num_tensors = 0
         broadcast_s = 0.0
         try:
-            buckets = bucket_named_tensors(cast_named_tensors(named_tensors, self.dtype), self.bucket_size_mib)
+            buckets = wire_buckets(named_tensors, dtype=self.dtype, bucket_size_mib=self.bucket_size_mib)
             current = next(buckets, None)
             if current is None:
                 raise WeightSyncError("no tensors to send")
             while current is not None:
                 following = next(buckets, None)
-                flat, meta = flatten_bucket(current)
+                flat, meta = current
                 posts = [
                     self._pool.submit(
                         c.update_weights_from_distributed,
