@@ -1,4 +1,4 @@
 """Reward functions (registry `REWARD_FNS`) and the process pool that evaluates them."""
 
 # imported for their registration side effect, so REWARD_FNS is complete whatever is imported first
-from megatron_rl.rewards import math_dapo, math_verify_reward  # noqa: F401
+from megatron_rl.rewards import math_answer, math_dapo, math_verify_reward  # noqa: F401

@@ -37,7 +37,7 @@ def test_dapo_integers_compare_numerically_and_scores_configurable():
 
 
 def test_normalize_keeps_latex_commands():
-    assert normalize_answer("\\tan x") == "\\tanx"
+    assert normalize_answer("\\tan x") == "\\tan x"  # B19: unchanged, not `\\tanx`
     assert normalize_answer("\\infty") == "\\infty"
     assert normalize_answer("12 ft") == "12"
     assert normalize_answer("5\\text{ cm}") == "5"
