@@ -15,7 +15,7 @@ def test_exact_registry_names():
         "seq-mean-token-sum-norm",
         "token-mean",
     ]
-    assert REWARD_FNS.names() == ["dapo_math", "math_verify"]
+    assert REWARD_FNS.names() == ["dapo_math", "gsm8k", "math_auto", "math_boxed", "math_verify"]
 
 
 def test_algorithms_import_no_heavy_frameworks():
