@@ -189,11 +189,18 @@ def scenario_layouts() -> dict:
             p.copy_(saved[n])
     if os.environ.get("DISTOPT", "0") == "1":
         grads = {}  # the distributed optimizer reduce-scatters: main_grad holds only this rank's reduced shard
-    history = trainer.update(batch, mini_batch_sequences=4)
-    with torch.no_grad():
-        params = {name: t.clone() for name, t in iter_hf_weights(chunk, hf_config, tp_group=g.tp if tp > 1 else None)}
+    def hf_params() -> dict:
+        with torch.no_grad():
+            return {name: t.clone() for name, t in iter_hf_weights(chunk, hf_config, tp_group=g.tp if tp > 1 else None)}
+
+    # one optimizer step per mini-batch: weights after the first step and after the second
+    history = trainer.update(batch.slice(0, 4), mini_batch_sequences=4)
+    params1 = hf_params()
+    history += trainer.update(batch.slice(4, 8), mini_batch_sequences=4)
+    params = hf_params()
     if g.tp_rank == 0 and g.dp_rank == 0:
-        torch.save({"grads": grads, "params": params, "logprobs": old, "loss_mask": batch.loss_mask},
+        torch.save({"grads": grads, "params1": params1, "params": params, "logprobs": old,
+                    "loss_mask": batch.loss_mask},
                    Path(os.environ["OUT_DIR"]) / f"rank{g.rank}.pt")
     dist.barrier()
     destroy_parallel()
