@@ -79,12 +79,34 @@ class DataConfig:
 @dataclass(kw_only=True)
 class RolloutConfig:
     backend: str = "embedded"
-    """`embedded`: the project's HF-transformers server speaking SGLang's HTTP API, started by
-    `megatron-rl train` when `server_urls` is empty; `sglang`: SGLang servers at `server_urls`."""
+    """Which servers `megatron-rl train` starts when `server_urls` is empty: `embedded` (the
+    project's HF-transformers server speaking SGLang's HTTP API) or `sglang`
+    (`<sglang_python> -m sglang.launch_server`). With `server_urls` set nothing is started."""
     server_urls: list[str] = field(default_factory=list)
-    """Base URLs of running rollout servers; empty = start embedded servers."""
+    """Base URLs of running rollout servers; empty = start `num_servers` servers of `backend`."""
     num_servers: int = 1
-    """Embedded servers to start when `server_urls` is empty."""
+    """Servers to start when `server_urls` is empty."""
+    server_ports: list[int] = field(default_factory=list)
+    """Explicit ports of the started servers: one per server (embedded) or two per server, HTTP
+    then `--nccl-port` (sglang); all distinct. Empty = free ports picked at launch (case B31)."""
+    sglang_python: str = "python"
+    """Interpreter of the environment SGLang is installed in (it pins its own torch)."""
+    tp_size: int = 1
+    """SGLang `--tp-size`: GPUs per rollout engine (its ranks in the weight-sync group)."""
+    mem_fraction_static: Optional[float] = None
+    """SGLang `--mem-fraction-static` in (0, 1); None = SGLang's default."""
+    skip_tokenizer_init: bool = True
+    """SGLang `--skip-tokenizer-init` (token ids in and out; the rollout sends ids)."""
+    sglang_extra_args: list[str] = field(default_factory=list)
+    """More `sglang.launch_server` flags, passed as given (e.g. `["--enable-memory-saver"]`)."""
+    over_sampling_batch_size: int = 0
+    """Dynamic sampling with abort (slime's name): prompts launched at once; once
+    `data.train_batch_size` groups are kept, the requests still running are aborted
+    (`/abort_request`) and their partial responses discarded. 0 = off (whole generation batches of
+    `data.gen_batch_size`). Needs `algorithm.filter_groups.enable`; ignored with
+    `rollout.deterministic` (which groups finish first depends on timing)."""
+    max_server_restarts: int = 3
+    """Restarts of a started server that died, per run, before the run stops (0 = never restart)."""
     n: int = 8
     """Responses per prompt (group size G)."""
     temperature: float = 1.0
@@ -125,6 +147,19 @@ class RolloutConfig:
         _positive("rollout", "startup_timeout_s", self.startup_timeout_s)
         _positive("rollout", "max_concurrency", self.max_concurrency)
         _positive("rollout", "server_max_batch_size", self.server_max_batch_size)
+        _positive("rollout", "tp_size", self.tp_size)
+        _positive("rollout", "over_sampling_batch_size", self.over_sampling_batch_size, allow_zero=True)
+        _positive("rollout", "max_server_restarts", self.max_server_restarts, allow_zero=True)
+        if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
+            raise ValueError(f"rollout.mem_fraction_static: {self.mem_fraction_static!r} must be in (0, 1) or null")
+        if self.server_ports:
+            per = 1 if self.backend == "embedded" else 2
+            if len(self.server_ports) != per * self.num_servers:
+                raise ValueError(f"rollout.server_ports: {len(self.server_ports)} ports given, rollout.backend="
+                                 f"{self.backend} with num_servers={self.num_servers} needs {per * self.num_servers}")
+            dup = sorted({p for p in self.server_ports if self.server_ports.count(p) > 1})
+            if dup:
+                raise ValueError(f"rollout.server_ports: {dup} appear more than once; every port must be distinct")
 
 
 @dataclass(kw_only=True)
