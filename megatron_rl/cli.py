@@ -1,4 +1,4 @@
-"""The `megatron-rl` command: train | rollout-server."""
+"""The `megatron-rl` command: train | rollout-server | convert | eval | report."""
 
 from __future__ import annotations
 
@@ -163,10 +163,82 @@ def _convert(argv: list[str]) -> int:
     return 0
 
 
+def _eval(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="megatron-rl eval",
+        description="Evaluate a checkpoint or a running server on math benchmarks: avg@n, pass@k, maj@k with "
+        "bootstrap CIs, per-problem JSONL, response lengths (DAPO's settings by default: T=1.0, top_p=0.7).",
+    )
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--checkpoint", help="HF model folder, or megatron run dir / iter_NNNNNNN folder")
+    src.add_argument("--server-url", help="a running server speaking SGLang's HTTP API")
+    parser.add_argument("--data", nargs="+", required=True,
+                        help="benchmarks (aime24 aime25 amc23 math500 gsm8k) or verl-format files (PATH[:ADAPTER])")
+    parser.add_argument("--out", required=True, help="output folder (results.json, per_problem/*.jsonl)")
+    parser.add_argument("--data-dir", default=None, help="folder of the benchmark files (default ../shared/data)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
+    parser.add_argument("--n", type=int, default=32, help="samples per problem (default 32, DAPO's avg@32)")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=0.7)
+    parser.add_argument("--max-new-tokens", type=int, default=20480)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-problems", type=int, default=0, help="first N problems of each dataset (0: all)")
+    parser.add_argument("--verifier", default=None,
+                        help="reward function for every row (default: routed by data_source)")
+    parser.add_argument("--reward-workers", type=int, default=2)
+    parser.add_argument("--server-arg", action="append", default=[], help="extra flag for the embedded server, e.g. --server-arg=--enable-deterministic-inference")
+    args = parser.parse_args(argv)
+
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
+    from megatron_rl.eval.benchmark import EvalSettings, format_table, run_eval
+    from megatron_rl.rollout.errors import RolloutServerError
+
+    settings = EvalSettings(n=args.n, temperature=args.temperature, top_p=args.top_p,
+                            max_new_tokens=args.max_new_tokens, seed=args.seed, verifier=args.verifier,
+                            max_problems=args.max_problems)
+    try:
+        results = run_eval(datasets=args.data, out_dir=args.out, checkpoint=args.checkpoint,
+                           server_url=args.server_url, tokenizer_path=args.tokenizer, data_dir=args.data_dir,
+                           settings=settings, num_reward_workers=args.reward_workers,
+                           server_args=[a for x in args.server_arg for a in x.split()])
+    except (ValueError, FileNotFoundError, KeyError, RolloutServerError) as e:
+        print(f"megatron-rl eval: error: {e}", file=sys.stderr)
+        return 1
+    print(format_table(results))
+    print(f"results: {args.out}/results.json")
+    return 0
+
+
+def _report(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="megatron-rl report",
+        description="Plots (PNG) and one self-contained HTML page of one or more runs' metrics.jsonl, overlaid.",
+    )
+    parser.add_argument("run_dirs", nargs="+", help="run folders holding metrics.jsonl")
+    parser.add_argument("--out", default=None, help="output folder (default: <first run dir>/report)")
+    parser.add_argument("--smooth", type=int, default=0,
+                        help="moving-average window in steps for training curves (0: automatic)")
+    args = parser.parse_args(argv)
+    from megatron_rl.report import make_report
+
+    try:
+        page = make_report(args.run_dirs, args.out, smooth=args.smooth or None)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"megatron-rl report: error: {e}", file=sys.stderr)
+        return 1
+    print(f"report: {page}")
+    return 0
+
+
 COMMANDS = {
     "train": _train,
     "rollout-server": _rollout_server,
     "convert": _convert,
+    "eval": _eval,
+    "report": _report,
 }
 
 
@@ -182,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         print("  rollout-server  the embedded HF-transformers server speaking SGLang's HTTP API", file=sys.stderr)
         print("  convert         to-hf | to-megatron checkpoint conversion", file=sys.stderr)
+        print("  eval            benchmark a checkpoint or server (avg@n, pass@k, maj@k, CIs)", file=sys.stderr)
+        print("  report          plots + HTML page of run dirs' metrics (several runs overlaid)", file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     return COMMANDS[argv[0]](argv[1:])
 

@@ -1,4 +1,4 @@
-"""avg@k and pass@k from per-sample correctness (stdlib only)."""
+"""avg@k, pass@k, maj@k, bootstrap confidence intervals and response-length statistics."""
 
 from __future__ import annotations
 
@@ -35,3 +35,88 @@ def mean_pass_at_k(correct: Sequence[Sequence[bool]], k: int) -> float:
     if not correct:
         raise ValueError("mean_pass_at_k: no problems")
     return sum(pass_at_k(len(c), sum(map(bool, c)), k) for c in correct) / len(correct)
+
+
+def maj_at_k(answers: Sequence[Sequence[str | None]], correct: Sequence[Sequence[bool]], k: int) -> list[float]:
+    """maj@k per problem: the share of the `n // k` disjoint chunks of k consecutive samples whose
+    majority answer is correct (self-consistency, Wang et al. 2022, arXiv 2203.11171).
+
+    Votes are the normalised answers (`None`, no answer, does not vote); a tie goes to the answer
+    that appears first in the chunk; a chunk without any answer counts as wrong. The majority
+    answer is correct iff a sample giving it was verified correct.
+
+    Args:
+        answers: [P][n] normalised answers.
+        correct: [P][n] verifier results, aligned with `answers`.
+        k: samples a vote (1 <= k <= n).
+
+    Returns:
+        [P] floats in [0, 1].
+
+    Raises:
+        ValueError: k out of range, or ragged/misaligned inputs.
+    """
+    out = []
+    for i, (ans, cor) in enumerate(zip(answers, correct, strict=True)):
+        n = len(ans)
+        if len(cor) != n:
+            raise ValueError(f"maj_at_k: problem {i} has {n} answers but {len(cor)} correctness flags")
+        if not 1 <= k <= n:
+            raise ValueError(f"maj_at_k: k={k} must be in [1, n={n}] (problem {i})")
+        chunks = n // k
+        wins = 0
+        for c in range(chunks):
+            votes: dict[str, int] = {}
+            right: dict[str, bool] = {}
+            for a, ok in zip(ans[c * k : (c + 1) * k], cor[c * k : (c + 1) * k]):
+                if a is None:
+                    continue
+                votes[a] = votes.get(a, 0) + 1  # dicts keep first-seen order: ties go to the first
+                right[a] = right.get(a, False) or bool(ok)
+            if votes:
+                best = max(votes, key=lambda a: votes[a])
+                wins += right[best]
+        out.append(wins / chunks)
+    return out
+
+
+def bootstrap_ci(per_problem: Sequence[float], *, num_resamples: int = 1000, confidence: float = 0.95,
+                 seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap confidence interval of the mean of per-problem values (problems are
+    resampled with replacement; Efron & Tibshirani 1993). Seeded, so reports repeat exactly.
+
+    Returns:
+        (low, high); (v, v) for a single problem.
+
+    Raises:
+        ValueError: no values, or confidence not in (0, 1).
+    """
+    import numpy as np
+
+    x = np.asarray(per_problem, dtype=np.float64)
+    if x.size == 0:
+        raise ValueError("bootstrap_ci: no values")
+    if not 0 < confidence < 1:
+        raise ValueError(f"bootstrap_ci: confidence must be in (0, 1), got {confidence}")
+    rng = np.random.default_rng(seed)
+    means = x[rng.integers(0, x.size, size=(num_resamples, x.size))].mean(axis=1)
+    alpha = (1 - confidence) / 2
+    return float(np.quantile(means, alpha)), float(np.quantile(means, 1 - alpha))
+
+
+def length_stats(lengths: Sequence[int], truncated: Sequence[bool]) -> dict[str, float]:
+    """Response-length statistics in tokens: mean, p50, p90, max, min, and `truncated` (the share
+    that hit the length limit).
+
+    Raises:
+        ValueError: no lengths, or the two lists differ in length.
+    """
+    import numpy as np
+
+    if not lengths:
+        raise ValueError("length_stats: no responses")
+    if len(lengths) != len(truncated):
+        raise ValueError(f"length_stats: {len(lengths)} lengths but {len(truncated)} truncation flags")
+    x = np.asarray(lengths, dtype=np.float64)
+    return {"mean": float(x.mean()), "p50": float(np.median(x)), "p90": float(np.quantile(x, 0.9)),
+            "min": float(x.min()), "max": float(x.max()), "truncated": float(np.mean(np.asarray(truncated, dtype=bool)))}
