@@ -25,6 +25,7 @@ setup(
         "uvicorn==0.54.0",
         "pydantic==2.14.4",
         "tqdm==4.70.1",
+        "matplotlib==3.11.2",
     ],
     extras_require={
         "test": ["pytest==9.2.0", "pytest-timeout==2.4.0", "httpx==0.28.1"],
