@@ -1,0 +1,290 @@
+#!/usr/bin/env python
+"""Helpers the sbatch scripts in this folder call: interface addresses, per-engine ports, the
+job-layout checks that run before any GPU work, and waiting for rollout servers.
+
+    python slurm/jobtool.py ipv4 --iface ib0            # this node's IPv4 on ib0 (error if missing)
+    python slurm/jobtool.py ports --host IP --base 30000 --slot 2 --count 3
+    python slurm/jobtool.py check --config R.yaml --trainer-nodes 4 ... [overrides]
+    python slurm/jobtool.py wait-health --timeout 600 URL [URL ...]
+
+Ports (CASES.md B31): SGLang picks its NCCL port as ``http_port + random(100, 1000)`` when none is
+given, so engines sharing a node can collide. Here every engine on a node gets its own block of
+``PORT_BLOCK`` ports starting at ``base + slot * PORT_BLOCK`` (slot = the engine's local index on
+the node); inside the block the first free ports are taken (checked by binding), so the result
+depends only on (node, slot) and what is already bound there, never on a random offset, and two
+engines can never be handed the same port.
+
+Interfaces (B31): on multi-NIC clusters ``hostname --ip-address`` may return the management
+network's address. The user names the interface (``MEGATRON_RL_IFACE``, e.g. ``ib0`` or
+``bond0``); each node resolves that interface's IPv4 itself and a node without it stops the job
+with an error naming the node and the interface.
+
+Standard library + psutil + PyYAML only, except `check` (it imports megatron_rl.config).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+PORT_BLOCK = 16
+"""Ports reserved per engine slot on a node: slot i owns [base + 16 i, base + 16 i + 16)."""
+
+
+class JobConfigError(ValueError):
+    """A job setting that cannot work; the message names the setting and what was expected."""
+
+
+def interface_table() -> dict[str, list[str]]:
+    """This machine's interfaces and their IPv4 addresses, ``{name: [ipv4, ...]}`` (psutil)."""
+    import psutil
+
+    return {
+        name: [a.address for a in addrs if a.family == socket.AF_INET]
+        for name, addrs in psutil.net_if_addrs().items()
+    }
+
+
+def resolve_ipv4(iface: str, table: Mapping[str, Sequence[str]], node: str) -> str:
+    """The first IPv4 address of interface ``iface`` in ``table`` (as `interface_table` returns).
+
+    Args:
+        iface: interface name the user chose (MEGATRON_RL_IFACE), e.g. ``ib0``.
+        table: ``{interface: [ipv4, ...]}`` of node ``node``.
+        node: node name, only for the error message.
+
+    Raises:
+        JobConfigError: the node has no such interface, or it has no IPv4 address; the message
+            names the node, the interface and the interfaces the node does have.
+    """
+    if iface not in table:
+        have = ", ".join(f"{n} ({', '.join(a) or 'no IPv4'})" for n, a in sorted(table.items())) or "none"
+        raise JobConfigError(
+            f"MEGATRON_RL_IFACE={iface}: node {node} has no interface {iface!r}; its interfaces: {have}. "
+            "Set MEGATRON_RL_IFACE (slurm/env.sh) to an interface every node of the job has"
+        )
+    addrs = list(table[iface])
+    if not addrs:
+        raise JobConfigError(f"MEGATRON_RL_IFACE={iface}: interface {iface!r} on node {node} has no IPv4 address")
+    return addrs[0]
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """True when a TCP socket can bind ``host:port`` now (SO_REUSEADDR, as servers bind)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def slot_ports(
+    base: int,
+    slot: int,
+    count: int,
+    *,
+    host: str = "127.0.0.1",
+    is_free: Callable[[str, int], bool] = port_is_free,
+    block: int = PORT_BLOCK,
+) -> list[int]:
+    """``count`` free ports for engine ``slot`` on this node, from its own block of ``block`` ports.
+
+    Args:
+        base: first port of slot 0 (e.g. 30000 for rollout engines).
+        slot: the engine's index on its node (SLURM_LOCALID), >= 0.
+        count: ports it needs (SGLang: 3 = http, NCCL, dist-init).
+        host: address the ports will be bound on (checked by binding it).
+        is_free: the check; tests pass a fake table of busy ports.
+
+    Returns:
+        ``count`` distinct ports in ``[base + slot * block, base + (slot + 1) * block)``, the lowest
+        free ones, in increasing order.
+
+    Raises:
+        JobConfigError: bad arguments, or fewer than ``count`` free ports in the slot's block.
+    """
+    if slot < 0 or count < 1 or count > block:
+        raise JobConfigError(f"port slot {slot}, count {count}: need slot >= 0 and 1 <= count <= {block}")
+    lo = base + slot * block
+    hi = lo + block
+    if base < 1024 or hi - 1 > 65535:
+        raise JobConfigError(f"base port {base} with slot {slot}: ports {lo}-{hi - 1} are outside 1024-65535")
+    free = [p for p in range(lo, hi) if is_free(host, p)]
+    if len(free) < count:
+        raise JobConfigError(
+            f"only {len(free)} of the {block} ports {lo}-{hi - 1} of engine slot {slot} are free on {host}; "
+            f"{count} are needed: pick another base port (ROLLOUT_BASE_PORT / TRAINER_BASE_PORT)"
+        )
+    return free[:count]
+
+
+def check_job(
+    config: str,
+    overrides: Sequence[str],
+    *,
+    total_nodes: int,
+    trainer_nodes: int,
+    rollout_nodes: int,
+    gpus_per_node: int,
+    rollout_tp_size: int,
+    engines_per_node: int,
+    device: str,
+) -> dict:
+    """The static checks of one job, run on the batch host before any step starts (seconds).
+
+    Loads the recipe with its overrides (megatron-rl's own static checks: unknown keys, model
+    layout vs config.json, batch sizes), then checks the node split, the trainer world against
+    TP x PP, the mini-batch split over data-parallel ranks, the rollout engines' TP against the
+    GPUs of a node, and that model.path and the data files exist.
+
+    Returns:
+        ``{"trainer_world", "dp", "engines", "engines_per_node", "model_path", "run_dir"}`` (the
+        last two resolved against the recipe's folder / the working directory).
+
+    Raises:
+        JobConfigError: the message names the setting (job variable or config key).
+    """
+    from megatron_rl.config import environment_checks, load_config
+
+    try:
+        cfg = load_config(config, list(overrides))
+    except (ValueError, FileNotFoundError) as e:
+        raise JobConfigError(f"{config}: {e}") from None
+    if device not in ("gpu", "cpu"):
+        raise JobConfigError(f"MEGATRON_RL_DEVICE={device}: expected gpu or cpu")
+    if trainer_nodes < 1:
+        raise JobConfigError(f"TRAINER_NODES={trainer_nodes}: at least one trainer node is needed")
+    if rollout_nodes < 0:
+        raise JobConfigError(f"ROLLOUT_NODES={rollout_nodes}: must be >= 0 (0 = servers share the trainer nodes)")
+    if trainer_nodes + rollout_nodes != total_nodes:
+        raise JobConfigError(
+            f"TRAINER_NODES={trainer_nodes} + ROLLOUT_NODES={rollout_nodes} = {trainer_nodes + rollout_nodes} "
+            f"but the job has {total_nodes} node(s) (#SBATCH --nodes); make them add up"
+        )
+    if gpus_per_node < 1:
+        raise JobConfigError(f"GPUS_PER_NODE={gpus_per_node}: must be >= 1 (trainer processes per node)")
+    t = cfg.trainer
+    mp = t.tensor_model_parallel_size * t.pipeline_model_parallel_size * t.context_parallel_size
+    world = trainer_nodes * gpus_per_node
+    if world % mp:
+        raise JobConfigError(
+            f"TRAINER_NODES={trainer_nodes} x GPUS_PER_NODE={gpus_per_node} = {world} trainer ranks do not divide "
+            f"into trainer.tensor_model_parallel_size {t.tensor_model_parallel_size} x "
+            f"trainer.pipeline_model_parallel_size {t.pipeline_model_parallel_size} x "
+            f"trainer.context_parallel_size {t.context_parallel_size} = {mp}"
+        )
+    if device == "gpu":
+        if rollout_tp_size < 1 or gpus_per_node % rollout_tp_size:
+            raise JobConfigError(
+                f"ROLLOUT_TP_SIZE={rollout_tp_size} must divide GPUS_PER_NODE={gpus_per_node} (one SGLang engine "
+                "per ROLLOUT_TP_SIZE GPUs of a rollout node; engines spanning nodes are not supported here)"
+            )
+        per_node = gpus_per_node // rollout_tp_size
+        if rollout_nodes == 0:
+            raise JobConfigError("ROLLOUT_NODES=0 on GPUs: the trainer takes every GPU of its nodes; give the "
+                                 "SGLang engines nodes of their own")
+    else:
+        per_node = engines_per_node
+        if per_node < 1:
+            raise JobConfigError(f"ENGINES_PER_NODE={per_node}: must be >= 1")
+    engines = per_node * (rollout_nodes or trainer_nodes)  # 0 rollout nodes: servers on the trainer nodes
+    if cfg.model.path is None:
+        raise JobConfigError("model.path is not set: pass MODEL_PATH=/path/to/hf-model (a Hugging Face folder)")
+    saved = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(world)
+    try:
+        checks = dict((desc, fn) for desc, fn in environment_checks(cfg))
+        for desc in ("world size divisible by TP*PP*CP", "mini-batches split evenly over data-parallel ranks",
+                     "model.path holds a Hugging Face model", "data files exist"):
+            try:
+                checks[desc]()
+            except RuntimeError as e:
+                raise JobConfigError(f"{e} (MODEL_PATH / model.path, data.*, TRAINER_NODES x GPUS_PER_NODE)") from None
+    finally:
+        if saved is None:
+            os.environ.pop("WORLD_SIZE", None)
+        else:
+            os.environ["WORLD_SIZE"] = saved
+    return {"trainer_world": world, "dp": world // mp, "engines": engines, "engines_per_node": per_node,
+            "model_path": str(cfg.model.path), "run_dir": str(cfg.run_dir)}
+
+
+def wait_health(urls: Sequence[str], timeout_s: float) -> None:
+    """Poll ``GET url/health`` of every server until all answer 200.
+
+    Raises:
+        TimeoutError: a server did not answer within ``timeout_s`` seconds (it is named).
+    """
+    import requests
+
+    deadline = time.monotonic() + timeout_s
+    pending = list(urls)
+    while pending:
+        still = []
+        for u in pending:
+            try:
+                ok = requests.get(u.rstrip("/") + "/health", timeout=5).status_code == 200
+            except requests.RequestException:
+                ok = False
+            if not ok:
+                still.append(u)
+        pending = still
+        if pending:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rollout server(s) {', '.join(pending)} not healthy after {timeout_s:.0f} s")
+            time.sleep(1.0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI of this module (see the module docstring). Exit code 2 and one line on stderr on errors."""
+    p = argparse.ArgumentParser(prog="slurm/jobtool.py", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("ipv4", help="this node's IPv4 on --iface")
+    a.add_argument("--iface", required=True)
+    a = sub.add_parser("ports", help="free ports of one engine slot on this node")
+    a.add_argument("--host", default="127.0.0.1")
+    a.add_argument("--base", type=int, required=True)
+    a.add_argument("--slot", type=int, default=0)
+    a.add_argument("--count", type=int, default=1)
+    a = sub.add_parser("check", help="static checks of a job (node split, layout, model path, data)")
+    a.add_argument("--config", required=True)
+    for name in ("total-nodes", "trainer-nodes", "rollout-nodes", "gpus-per-node", "rollout-tp-size",
+                 "engines-per-node"):
+        a.add_argument(f"--{name}", type=int, required=True)
+    a.add_argument("--device", required=True)
+    a.add_argument("overrides", nargs="*")
+    a = sub.add_parser("wait-health", help="wait until every URL's /health answers 200")
+    a.add_argument("--timeout", type=float, default=600)
+    a.add_argument("urls", nargs="+")
+    args = p.parse_args(argv)
+    try:
+        if args.cmd == "ipv4":
+            print(resolve_ipv4(args.iface, interface_table(), socket.gethostname()))
+        elif args.cmd == "ports":
+            print(" ".join(map(str, slot_ports(args.base, args.slot, args.count, host=args.host))))
+        elif args.cmd == "check":
+            out = check_job(
+                args.config, args.overrides, total_nodes=args.total_nodes, trainer_nodes=args.trainer_nodes,
+                rollout_nodes=args.rollout_nodes, gpus_per_node=args.gpus_per_node,
+                rollout_tp_size=args.rollout_tp_size, engines_per_node=args.engines_per_node, device=args.device,
+            )
+            # shell assignments for `eval` in slurm/train.sbatch
+            import shlex
+
+            print("\n".join(f"JOB_{k.upper()}={shlex.quote(str(v))}" for k, v in out.items()))
+        else:
+            wait_health(args.urls, args.timeout)
+    except (JobConfigError, TimeoutError) as e:
+        print(f"jobtool {args.cmd}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

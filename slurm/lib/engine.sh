@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One rollout engine: run by `srun --ntasks-per-node=ENGINES_PER_NODE` from slurm/train.sbatch, one
+# task per engine. Picks the engine's ports from its own per-node slot (B31: SLURM_LOCALID -> a
+# block of ports, no random offsets), publishes its URL for the batch script, then becomes the
+# server: SGLang on GPUs, the embedded `megatron-rl rollout-server` in CPU mode.
+# Env (from train.sbatch): JOB_DIR, PYTHON, REPO, MEGATRON_RL_DEVICE, MODEL_PATH, ROLLOUT_BASE_PORT,
+# ROLLOUT_TP_SIZE, ROLLOUT_MEM_FRACTION, SGLANG_EXTRA_ARGS, ROLLOUT_SEED.
+set -euo pipefail
+
+node="${SLURMD_NODENAME:?not inside a Slurm step}"
+slot="${SLURM_LOCALID:?}"
+ip=$(awk -v n="$node" '$1 == n {print $2}' "$JOB_DIR/hosts")
+if [ -z "$ip" ]; then
+  echo "engine.sh: node $node is not in $JOB_DIR/hosts" >&2
+  exit 2
+fi
+read -r port nccl_port dist_port < <("$PYTHON" "$REPO/slurm/jobtool.py" ports --host "$ip" \
+  --base "$ROLLOUT_BASE_PORT" --slot "$slot" --count 3)
+url="http://$ip:$port"
+echo "engine $SLURM_PROCID on $node slot $slot: $url (nccl port $nccl_port, dist-init port $dist_port)"
+# the batch script waits for one file per engine; the name orders engines by task id
+printf '%s\n' "$url" > "$JOB_DIR/urls/$(printf '%05d' "$SLURM_PROCID").tmp"
+mv "$JOB_DIR/urls/$(printf '%05d' "$SLURM_PROCID").tmp" "$JOB_DIR/urls/$(printf '%05d' "$SLURM_PROCID")"
+
+if [ "$MEGATRON_RL_DEVICE" = gpu ]; then
+  # engine `slot` owns GPUs [slot*TP, (slot+1)*TP) of its node
+  first=$(( slot * ROLLOUT_TP_SIZE ))
+  export CUDA_VISIBLE_DEVICES=$(seq -s, "$first" $(( first + ROLLOUT_TP_SIZE - 1 )))
+  # shellcheck disable=SC2086  # SGLANG_EXTRA_ARGS is a list of flags
+  exec "$PYTHON" -m sglang.launch_server --model-path "$MODEL_PATH" --tp-size "$ROLLOUT_TP_SIZE" \
+    --host "$ip" --port "$port" --nccl-port "$nccl_port" --dist-init-addr "$ip:$dist_port" \
+    --mem-fraction-static "$ROLLOUT_MEM_FRACTION" --random-seed "$ROLLOUT_SEED" ${SGLANG_EXTRA_ARGS:-}
+else
+  # the embedded server speaks the same HTTP API; it has no NCCL/dist-init ports (gloo, one process)
+  exec "$PYTHON" -m megatron_rl.cli rollout-server --model-path "$MODEL_PATH" --host "$ip" --port "$port" \
+    --random-seed "$ROLLOUT_SEED"
+fi
