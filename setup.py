@@ -29,7 +29,7 @@ setup(
     ],
     extras_require={
         "test": ["pytest==9.2.0", "pytest-timeout==2.4.0", "httpx==0.28.1"],
-        "gpu": ["transformer-engine[pytorch]", "nvidia-ml-py"],
+        "gpu": ["transformer-engine[pytorch]", "nvidia-ml-py==13.615.71"],
         "wandb": ["wandb"],
     },
     entry_points={"console_scripts": ["megatron-rl=megatron_rl.cli:main"]},
