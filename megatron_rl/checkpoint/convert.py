@@ -1,34 +1,47 @@
-"""Checkpoint conversion: Hugging Face safetensors <-> megatron-core distributed checkpoint.
+"""Checkpoint conversion: Hugging Face safetensors <-> megatron-core distributed checkpoint, streaming.
 
-- `export_to_hf`: a run's checkpoint (or any megatron-core dist checkpoint of this project's
-  layout) -> an HF folder that transformers, SGLang and vLLM load: sharded safetensors (HF's
-  default 5 GB shards, with `model.safetensors.index.json` when there are several), the model's
-  `config.json` / `generation_config.json` and the tokenizer files copied from the run's model.
-  Tensors are written shard by shard as the weight generator yields them, so memory holds the
-  model plus at most one shard.
-- `import_from_hf`: an HF folder -> a model-only dist checkpoint. The torch_dist format stores
-  global tensors, so the result loads into any TP/PP layout (megatron-core reshards on load).
+- `import_from_hf`: an HF folder -> a model-only dist checkpoint (torch_dist format). The
+  checkpoint stores global tensors (megatron-core's sharded state dict of a TP=1, PP=1 model), so
+  it loads into any TP/PP layout: megatron-core reshards on load.
+- `export_to_hf`: a run's checkpoint (or any dist checkpoint of this project's model layout) -> an
+  HF folder that transformers, SGLang and vLLM load: safetensors in HF's default 5 GB shards (with
+  `model.safetensors.index.json` when there are several), `config.json` / `generation_config.json`
+  and the tokenizer files copied from the model folder.
 
-Both run in one process (world size 1, gloo on CPU) and build the whole model in memory, which
-fits models that fit one host's RAM; the streaming converter for checkpoints larger than memory
-(tensor by tensor, without building the model) is not done yet.
+Neither direction builds the model. The checkpoint's structure (keys, global shapes, chunk
+offsets, the per-layer `_extra_state` objects and the common state) comes from megatron-core's
+`sharded_state_dict` of a model built on the meta device, so it is exactly what `dist_checkpointing`
+itself writes and loads. Tensors then move one at a time:
+
+- import: megatron-core's `dist_checkpointing.save` runs with `_StreamingSaveStrategy`, which
+  writes the plan through torch.distributed.checkpoint's `FileSystemWriter` one unit at a time
+  (the embedding, each layer, the head), one `.distcp` file per unit; each chunk is built from
+  its HF tensor(s) when the writer asks for it (`HFTensors` reads one tensor, the fused QKV needs
+  q, k and v) and dropped after its unit's file is written.
+- export: `dist_checkpointing.load` reads one unit's global tensors at a time; they are split
+  into HF tensors and collected into safetensors shards of at most `max_shard_bytes`.
+
+Peak memory: import holds one unit (for Qwen2.5-32B a layer is ~1 GB in bf16, the embedding
+1.6 GB) plus the HF tensors it is built from; export holds at most one output shard plus one
+unit. `benchmarks/convert_32b_2layer.py` measures it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import shutil
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-# Files of an HF model folder that are not weights and travel with an export.
+# Files of an HF model folder that are not weights and travel with a conversion.
 HF_SIDE_FILES = (
     "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
     "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "tokenizer.model",
@@ -38,16 +51,22 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 1000**3  # transformers' default max_shard_size "5
 
 @contextlib.contextmanager
 def single_process_world() -> Iterator[None]:
-    """A one-rank gloo world with megatron-core's parallel state, unless one is already up."""
-    from megatron_rl.parallel.cpu_compat import enable_cpu_compat
+    """A one-rank gloo world with megatron-core's parallel state, unless one is already up; the CPU
+    compatibility layer is switched off again on exit if this turned it on."""
+    from megatron_rl.parallel.cpu_compat import cpu_compat_enabled, disable_cpu_compat, enable_cpu_compat
     from megatron_rl.parallel.groups import world_of_one
 
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         yield
         return
+    was_enabled = cpu_compat_enabled()
     enable_cpu_compat()
-    with world_of_one(backend="gloo", timeout_s=600):
-        yield
+    try:
+        with world_of_one(backend="gloo", timeout_s=600):
+            yield
+    finally:
+        if not was_enabled:
+            disable_cpu_compat()
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> tuple[Path, Optional[Path]]:
@@ -95,14 +114,6 @@ def _model_source_dir(ckpt: Path, iter_dir: Optional[Path], hf_dir: Optional[str
                      "(a folder with the model's config.json and tokenizer)")
 
 
-def _build(hf_config: dict, dtype: torch.dtype):
-    from megatron_rl.models.builder import build_model
-    from megatron_rl.models.hf_config import build_transformer_config
-
-    tf_config = build_transformer_config(hf_config, params_dtype=dtype, bf16=dtype == torch.bfloat16)
-    return build_model(hf_config, tf_config)
-
-
 def _dtype_of(hf_config: dict, override: Optional[str]) -> torch.dtype:
     name = override or hf_config.get("torch_dtype") or hf_config.get("dtype") or "float32"
     table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -111,10 +122,181 @@ def _dtype_of(hf_config: dict, override: Optional[str]) -> torch.dtype:
     return table[name]
 
 
+def _meta_sharded_state_dict(hf_config: dict, dtype: torch.dtype, vocab_multiple: int) -> dict:
+    """megatron-core's sharded state dict of the whole model (TP=1, PP=1) on the meta device: the
+    checkpoint's keys, global shapes, chunks and objects, without allocating a tensor.
+
+    Args:
+        vocab_multiple: the padded vocabulary is a multiple of this (make_vocab_size_divisible_by x TP).
+    """
+    from megatron_rl.checkpoint.save import _model_sharded_state_dict
+    from megatron_rl.models.builder import build_model
+    from megatron_rl.models.hf_config import build_transformer_config
+
+    tf_config = build_transformer_config(hf_config, params_dtype=dtype, bf16=dtype == torch.bfloat16)
+    # meta tensors need megatron's CPU-initialisation path (it allocates without a device) and no init
+    tf_config.use_cpu_initialization, tf_config.perform_initialization = True, False
+    with torch.device("meta"):
+        model = build_model(hf_config, tf_config, make_vocab_size_divisible_by=vocab_multiple, use_te=False)
+    return _model_sharded_state_dict([model])
+
+
+def _unit_of(key: str, offsets) -> str:
+    """Conversion unit of a checkpoint tensor: `embedding`, `layer {L}` or `head`."""
+    from megatron_rl.models.hf_weights import LAYERS_PREFIX
+
+    if key.startswith(LAYERS_PREFIX):
+        return f"layer {offsets[0]}"
+    return "embedding" if key.startswith("embedding.") else "head"
+
+
+def _progress(total_bytes: int, desc: str, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total_bytes, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, disable=not enabled,
+                dynamic_ncols=True)
+
+
+# --------------------------------------------------------------------------- HF -> megatron
+
+
+def _streaming_strategy(make_chunk: Callable[[str, tuple, tuple, torch.dtype], torch.Tensor], progress):
+    """A megatron-core save strategy (torch_dist format) that writes one unit at a time.
+
+    `dist_checkpointing.save` hands it the preprocessed sharded state dict (factories applied,
+    common state added, integrity validated) and writes `metadata.json` after it returns. The
+    plan and the checkpoint metadata are megatron-core's own (`MCoreSavePlanner`); only the data
+    of a tensor chunk is produced late: `make_chunk(key, offsets, sizes, dtype)` when
+    torch.distributed.checkpoint's `FileSystemWriter` reaches it.
+    """
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner,
+        TorchDistSaveShardedStrategy,
+        _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import _StoragePrefix
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    class _LatePlanner(MCoreSavePlanner):
+        def resolve_data(self, write_item):
+            if write_item.type == WriteItemType.BYTE_IO:
+                return super().resolve_data(write_item)
+            chunk = write_item.tensor_data.chunk
+            tensor = make_chunk(write_item.index.fqn, tuple(chunk.offsets), tuple(chunk.sizes),
+                                write_item.tensor_data.properties.dtype)
+            progress.update(tensor.numel() * tensor.element_size())
+            return tensor
+
+    class _StreamingSaveStrategy(TorchDistSaveShardedStrategy):
+        def save(self, sharded_state_dict, checkpoint_dir):
+            flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_state_dict, self.keep_only_main_replica)
+            planner = _LatePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
+            planner.set_up_planner(mcore_to_pyt_state_dict(flat, False), None, True)
+            global_plans, metadata = planner.create_global_plan([planner.create_local_plan()])
+            plan = planner.finish_plan(global_plans[0])
+            writer = FileSystemWriter(str(checkpoint_dir), single_file_per_rank=True, thread_count=1, overwrite=True)
+            writer.set_up_storage_writer(True)
+            units: dict[str, list] = {"objects": []}  # bytes objects (tiny) share the first file
+            for item in plan.items:
+                if item.type == WriteItemType.BYTE_IO:
+                    units["objects"].append(item)
+                else:
+                    units.setdefault(_unit_of(item.index.fqn, item.index.offset), []).append(item)
+            units["embedding"] = units.pop("objects") + units.pop("embedding", [])
+            results = []
+            for i, items in enumerate(sorted(units.values(), key=lambda its: _unit_rank(its))):
+                unit_plan = dataclasses.replace(plan, items=items, storage_data=_StoragePrefix(f"__{i}_"))
+                results.append(writer.write_data(unit_plan, planner).wait())
+            writer.finish(metadata, results)
+
+    return _StreamingSaveStrategy()
+
+
+def _unit_rank(items) -> tuple[int, int]:
+    tensor_items = [it for it in items if it.tensor_data is not None]
+    if not tensor_items:
+        return (0, 0)
+    unit = _unit_of(tensor_items[0].index.fqn, tensor_items[0].index.offset)
+    if unit == "embedding":
+        return (0, 0)
+    return (2, 0) if unit == "head" else (1, int(unit.split()[1]))
+
+
+def import_from_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: Optional[str] = None,
+                   tensor_model_parallel_size: int = 1, make_vocab_size_divisible_by: int = 128,
+                   progress: bool = False) -> Path:
+    """Write an HF model as a model-only megatron-core dist checkpoint, tensor by tensor.
+
+    The torch_dist checkpoint holds global tensors, so any TP/PP layout loads it; only the
+    padded vocabulary depends on the layout (Megatron-LM pads to a multiple of
+    `make_vocab_size_divisible_by` x TP; case B29), so give the TP size the checkpoint is for.
+    `out_dir` also receives a copy of the HF side files (config.json, tokenizer) under `hf/`, so
+    that `export_to_hf(out_dir)` needs nothing else. `metadata.json` is written last: a
+    conversion that dies leaves a folder no loader takes for a checkpoint.
+
+    Args:
+        hf_dir: HF model folder (config.json and *.safetensors, with or without an index).
+        out_dir: an empty folder (created).
+        dtype: float32 | bfloat16 | float16 of the stored tensors; default: config.json's dtype.
+        tensor_model_parallel_size, make_vocab_size_divisible_by: the vocabulary padding.
+        progress: show a tqdm progress bar (bytes written) on stderr.
+
+    Returns:
+        `out_dir`.
+
+    Raises:
+        FileNotFoundError: `hf_dir` has no config.json.
+        FileExistsError: `out_dir` already holds a dist checkpoint.
+        ValueError: an unsupported architecture, or weights that do not match config.json (names
+            the tensor and both shapes), checked from the safetensors headers before writing.
+    """
+    from megatron.core import dist_checkpointing
+
+    from megatron_rl.models.hf_config import build_transformer_config
+    from megatron_rl.models.hf_weights import HFTensors, check_hf_checkpoint, global_chunk_from_hf
+
+    src = Path(hf_dir)
+    if not (src / "config.json").is_file():
+        raise FileNotFoundError(f"{src}: no config.json (not a Hugging Face model folder)")
+    hf_config = json.loads((src / "config.json").read_text())
+    if tensor_model_parallel_size < 1 or make_vocab_size_divisible_by < 1:
+        raise ValueError(f"tensor_model_parallel_size and make_vocab_size_divisible_by must be >= 1, got "
+                         f"{tensor_model_parallel_size} and {make_vocab_size_divisible_by}")
+    target = _dtype_of(hf_config, dtype)
+    num_groups = build_transformer_config(hf_config).num_query_groups  # also rejects unsupported configs
+    source = HFTensors(src)
+    expected = check_hf_checkpoint(source, hf_config, str(src))
+    out = Path(out_dir)
+    if (out / "metadata.json").exists():
+        raise FileExistsError(f"{out} already holds a dist checkpoint; choose an empty folder")
+    out.mkdir(parents=True, exist_ok=True)
+    total = sum(torch.Size(s).numel() for s in expected.values()) * target.itemsize
+
+    def make_chunk(key: str, offsets: tuple, sizes: tuple, chunk_dtype: torch.dtype) -> torch.Tensor:
+        chunk = global_chunk_from_hf(source, key, offsets, sizes, num_query_groups=num_groups)
+        return chunk.to(chunk_dtype)
+
+    with single_process_world(), _progress(total, "HF -> megatron", progress) as bar:
+        sharded = _meta_sharded_state_dict(hf_config, target, make_vocab_size_divisible_by * tensor_model_parallel_size)
+        dist_checkpointing.save(sharded, str(out), sharded_strategy=_streaming_strategy(make_chunk, bar))
+    hf_side = out / "hf"
+    hf_side.mkdir(exist_ok=True)
+    for name in HF_SIDE_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, hf_side / name)
+    logger.info("imported %s -> %s", src, out)
+    return out
+
+
+# --------------------------------------------------------------------------- megatron -> HF
+
+
 class _ShardWriter:
     """Writes tensors into `model-0000i-of-0000n.safetensors` files of at most `max_bytes` each
     (a tensor larger than that gets a shard of its own), then the index. Files are renamed once
-    the shard count is known, as transformers names them."""
+    the shard count is known, as transformers names them. Holds at most one shard in memory."""
 
     def __init__(self, out_dir: Path, max_bytes: int) -> None:
         self.out_dir, self.max_bytes = out_dir, max_bytes
@@ -159,94 +341,128 @@ class _ShardWriter:
         return out
 
 
+def _check_against_config(expected_sd: dict, saved: dict, ckpt: Path, vocab_size: int) -> None:
+    """The checkpoint's global shapes against the config's (vocabulary rows: any padding >= V).
+
+    Raises:
+        ValueError: a missing tensor, or another shape (names the tensor and both shapes).
+    """
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+
+    apply_factories(expected_sd)
+    for sh in nested_values(expected_sd):
+        if not isinstance(sh, ShardedTensor):
+            continue
+        other = saved.get(sh.key)
+        want = tuple(sh.global_shape)
+        if other is None:
+            raise ValueError(f"checkpoint {ckpt} has no tensor {sh.key!r} (the config expects shape {list(want)}); "
+                             "was it written for another architecture?")
+        got = tuple(other.global_shape)
+        vocab = sh.key in ("embedding.word_embeddings.weight", "output_layer.weight")
+        if got != want and not (vocab and got[1:] == want[1:] and got[0] >= vocab_size):
+            raise ValueError(f"checkpoint {ckpt}: tensor {sh.key!r} has shape {list(got)}, the model of "
+                             f"config.json expects {list(want)}")
+
+
+def _export_units(saved: dict, num_layers: int) -> list[tuple[str, list[tuple[str, Optional[int]]]]]:
+    """(unit, [(key, layer or None)]) in HF order: embedding, layers, head; model keys only."""
+    from megatron_rl.models.hf_weights import LAYERS_PREFIX, sharded_key_to_hf
+
+    def known(key: str) -> bool:
+        try:
+            sharded_key_to_hf(key, 0)
+            return True
+        except ValueError:
+            return False
+
+    layer_keys = [k for k in saved if k.startswith(LAYERS_PREFIX) and known(k)]
+    units = [("embedding", [("embedding.word_embeddings.weight", None)])]
+    units += [(f"layer {i}", [(k, i) for k in layer_keys]) for i in range(num_layers)]
+    head = [("decoder.final_layernorm.weight", None)]
+    if "output_layer.weight" in saved:
+        head.append(("output_layer.weight", None))
+    return units + [("head", head)]
+
+
 def export_to_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, hf_config_dir: Optional[str] = None,
-                 dtype: Optional[str] = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
-    """Write the model of a megatron checkpoint as a Hugging Face folder.
+                 dtype: Optional[str] = None, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                 progress: bool = False) -> Path:
+    """Write the model of a megatron checkpoint as a Hugging Face folder, one layer at a time.
 
     Args:
         checkpoint: a run dir, `<run_dir>/checkpoints`, an `iter_NNNNNNN` folder, or a
-            dist-checkpoint folder (see `resolve_checkpoint`).
+            dist-checkpoint folder (see `resolve_checkpoint`); any TP/PP layout wrote it.
         out_dir: the HF folder to write (created; existing weight files in it are replaced).
-        hf_config_dir: folder with the model's config.json and tokenizer; default: the run's
-            `model.path` from the checkpoint's config.yaml.
+        hf_config_dir: folder with the model's config.json and tokenizer; default: the `hf/`
+            folder `import_from_hf` wrote, else the run's `model.path` from its config.yaml.
         dtype: float32 | bfloat16 | float16 for the saved tensors; default: config.json's dtype.
         max_shard_bytes: safetensors shard size (HF's default 5 GB).
+        progress: show a tqdm progress bar (bytes written) on stderr.
 
     Returns:
         `out_dir`.
 
     Raises:
-        FileNotFoundError: no checkpoint at `checkpoint`.
-        ValueError: the checkpoint's tensors do not match the config (names the tensor and both shapes).
+        FileNotFoundError: no checkpoint at `checkpoint`, or no config.json.
+        ValueError: an unsupported architecture, or checkpoint tensors that do not match the config
+            (names the tensor and both shapes).
     """
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    from megatron_rl.checkpoint.save import _check_shapes, _model_sharded_state_dict
-    from megatron_rl.models.hf_weights import iter_hf_weights
+    from megatron_rl.models.hf_config import build_transformer_config
+    from megatron_rl.models.hf_weights import expected_hf_shapes, hf_from_global
 
     ckpt, iter_dir = resolve_checkpoint(checkpoint)
     src = _model_source_dir(ckpt, iter_dir, hf_config_dir)
     if not (src / "config.json").is_file():
         raise FileNotFoundError(f"{src}: no config.json (pass --hf-config-dir)")
     hf_config = json.loads((src / "config.json").read_text())
+    tf = build_transformer_config(hf_config)  # rejects unsupported architectures
+    expected_hf = expected_hf_shapes(hf_config)
+    target = _dtype_of(hf_config, dtype)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for old in list(out.glob("*.safetensors")) + list(out.glob("model.safetensors.index.json")):
         old.unlink()
-    saved = dist_checkpointing.load_tensors_metadata(str(ckpt))
-    emb = next((v for k, v in saved.items() if k.endswith("embedding.word_embeddings.weight")), None)
-    stored = emb.dtype if emb is not None else torch.float32
-    with single_process_world():
-        model = _build(hf_config, stored)
-        sharded = _model_sharded_state_dict([model])
-        _check_shapes(sharded, ckpt)
-        loaded = dist_checkpointing.load(sharded, str(ckpt))
-        model.load_state_dict(loaded["model"], strict=True)
-        target = _dtype_of(hf_config, dtype)
-        writer = _ShardWriter(out, max_shard_bytes)
-        with torch.no_grad():
-            for name, tensor in iter_hf_weights(model, hf_config):
+    writer = _ShardWriter(out, max_shard_bytes)
+    total = sum(torch.Size(s).numel() for s in expected_hf.values()) * target.itemsize
+    with single_process_world(), _progress(total, "megatron -> HF", progress) as bar:
+        saved = dist_checkpointing.load_tensors_metadata(str(ckpt))
+        vocab_size = expected_hf["model.embed_tokens.weight"][0]
+        _check_against_config(_meta_sharded_state_dict(hf_config, target, 1), saved, ckpt, vocab_size)
+        for _, keys in _export_units(saved, tf.num_layers):
+            request = {}
+            for key, layer in keys:
+                meta = saved[key]
+                if layer is None:
+                    request[key] = ShardedTensor.from_rank_offsets(key, torch.empty(meta.global_shape, dtype=meta.dtype))
+                else:  # one layer of the stacked [num_layers, ...] tensor
+                    local = torch.empty((1, *meta.global_shape[1:]), dtype=meta.dtype)
+                    request[key] = ShardedTensor.from_rank_offsets(key, local, (0, layer, meta.global_shape[0]))
+            # a partial load (one unit): the whole-checkpoint access check does not apply
+            loaded = dist_checkpointing.load(request, str(ckpt), validate_access_integrity=False)
+            named = []
+            for key, layer in keys:
+                tensor = loaded.pop(key)
+                named += hf_from_global(key, tensor[0] if layer is not None else tensor, layer=layer,
+                                        num_query_groups=tf.num_query_groups, head_dim=tf.kv_channels,
+                                        vocab_size=vocab_size)
+            order = {name: i for i, name in enumerate(expected_hf)}
+            for name, tensor in sorted(named, key=lambda nt: order.get(nt[0], -1)):
+                if name not in expected_hf:  # e.g. a tied model's output layer at PP > 1
+                    continue
+                if tuple(tensor.shape) != expected_hf[name]:
+                    raise ValueError(f"checkpoint {ckpt}: HF tensor {name!r} comes out with shape {list(tensor.shape)}, "
+                                     f"config.json expects {list(expected_hf[name])}")
                 writer.add(name, tensor.to(target))
+                bar.update(tensor.numel() * target.itemsize)
+            del loaded, named
         files = writer.close()
     for name in HF_SIDE_FILES:
         if (src / name).is_file():
             shutil.copy2(src / name, out / name)
     logger.info("exported %s -> %s (%d safetensors file(s), %.1f MB)", ckpt, out, len(files), writer.total_bytes / 1e6)
-    return out
-
-
-def import_from_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: Optional[str] = None) -> Path:
-    """Write an HF model as a model-only megatron-core dist checkpoint (torch_dist, global tensors:
-    it loads into any TP/PP layout). `out_dir` receives the dist checkpoint and a copy of the HF
-    side files (config.json, tokenizer) so that `export_to_hf(out_dir)` needs nothing else.
-
-    Raises:
-        FileNotFoundError: `hf_dir` has no config.json.
-        ValueError: the weights do not match the config (see `load_hf_weights`).
-    """
-    from megatron.core import dist_checkpointing
-
-    from megatron_rl.checkpoint.save import _in_process_results_queue, _model_sharded_state_dict
-    from megatron_rl.models.hf_weights import load_hf_weights
-
-    src = Path(hf_dir)
-    if not (src / "config.json").is_file():
-        raise FileNotFoundError(f"{src}: no config.json (not a Hugging Face model folder)")
-    hf_config = json.loads((src / "config.json").read_text())
-    out = Path(out_dir)
-    if (out / "metadata.json").exists():
-        raise FileExistsError(f"{out} already holds a dist checkpoint; choose an empty folder")
-    out.mkdir(parents=True, exist_ok=True)
-    with single_process_world():
-        model = _build(hf_config, _dtype_of(hf_config, dtype))
-        with torch.no_grad():
-            load_hf_weights(model, src)
-        _in_process_results_queue()
-        dist_checkpointing.save(_model_sharded_state_dict([model]), str(out))
-    hf_side = out / "hf"
-    hf_side.mkdir(exist_ok=True)
-    for name in HF_SIDE_FILES:
-        if (src / name).is_file():
-            shutil.copy2(src / name, hf_side / name)
-    logger.info("imported %s -> %s", src, out)
     return out

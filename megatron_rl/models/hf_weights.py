@@ -101,8 +101,13 @@ def _pad_vocab(weight: torch.Tensor, padded_rows: int) -> torch.Tensor:
 # --------------------------------------------------------------------------- tensor sources
 
 
-class _HFTensors:
-    """Name -> tensor lookup over a state dict or a directory of safetensors files."""
+class HFTensors:
+    """Name -> tensor lookup over a state dict or a directory of safetensors files (one tensor read
+    at a time: a file is opened, the tensor copied out and the file closed again).
+
+    Raises:
+        ValueError: the directory is missing, holds no safetensors, or a file is unreadable.
+    """
 
     def __init__(self, source: str | os.PathLike | Mapping[str, torch.Tensor]):
         self._dict: Mapping[str, torch.Tensor] | None = None
@@ -134,6 +139,17 @@ class _HFTensors:
 
     def names(self) -> set[str]:
         return set(self._dict if self._dict is not None else self._files)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape, from the safetensors header (no data is read)."""
+        if name not in self:
+            raise KeyError(f"HF weight {name!r} not found in the checkpoint")
+        if self._dict is not None:
+            return tuple(self._dict[name].shape)
+        from safetensors import safe_open
+
+        with safe_open(str(self._files[name]), framework="pt") as handle:
+            return tuple(handle.get_slice(name).get_shape())
 
     def get(self, name: str) -> torch.Tensor:
         if name not in self:
@@ -248,7 +264,7 @@ def load_hf_weights(
             f"tp_size={tp_size} but the model was built with tensor_model_parallel_size="
             f"{config.tensor_model_parallel_size}"
         )
-    source = _HFTensors(hf_dir_or_state_dict)
+    source = HFTensors(hf_dir_or_state_dict)
     num_groups = config.num_query_groups or config.num_attention_heads
     used: set[str] = set()
     for name, param, hf_names, kind in _model_entries(model):
@@ -382,3 +398,195 @@ def _in_hf_order(named: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, t
         return 0
 
     return iter(sorted(named, key=key))  # stable: non-layer units keep their order
+
+
+# --------------------------------------------------------------------------- layout-independent (streaming) mapping
+#
+# megatron-core's sharded state dict (and so a torch_dist checkpoint) stores *global* tensors:
+# the TP=1 layout of each parameter, with the layers of ``decoder.layers.*`` stacked along a
+# leading axis of size num_layers (a layer is the chunk at offset ``(L, 0, ...)``). Norm keys use
+# Transformer Engine's names under both specs (``linear_qkv.layer_norm_weight``), and
+# ``linear_fc1`` is stored as two chunks of the global ``[L, 2F, h]`` tensor: gate rows ``[0, F)``
+# and up rows ``[F, 2F)``. The streaming converter (``checkpoint.convert``) maps these global
+# tensors to and from HF tensors one at a time, without building the model.
+
+_SHARDED_LAYER_KEYS: dict[str, tuple[tuple[str, ...], Any]] = {
+    "self_attention.linear_qkv.weight": (("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                          "self_attn.v_proj.weight"), "qkv"),
+    "self_attention.linear_qkv.bias": (("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+                                       "qkv"),
+    "self_attention.linear_proj.weight": (("self_attn.o_proj.weight",), None),
+    "self_attention.q_layernorm.weight": (("self_attn.q_norm.weight",), None),
+    "self_attention.k_layernorm.weight": (("self_attn.k_norm.weight",), None),
+    "self_attention.linear_qkv.layer_norm_weight": (("input_layernorm.weight",), None),
+    "mlp.linear_fc1.weight": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), "fc1"),
+    "mlp.linear_fc1.layer_norm_weight": (("post_attention_layernorm.weight",), None),
+    "mlp.linear_fc2.weight": (("mlp.down_proj.weight",), None),
+}
+_SHARDED_OTHER_KEYS: dict[str, tuple[tuple[str, ...], Any]] = {
+    "embedding.word_embeddings.weight": (("model.embed_tokens.weight",), "vocab"),
+    "decoder.final_layernorm.weight": (("model.norm.weight",), None),
+    "output_layer.weight": (("lm_head.weight",), "vocab"),
+}
+LAYERS_PREFIX = "decoder.layers."
+
+
+def sharded_key_to_hf(key: str, layer: int | None = None) -> tuple[tuple[str, ...], Any]:
+    """HF names and fused kind of a megatron-core sharded-state-dict tensor key.
+
+    Args:
+        key: e.g. ``decoder.layers.mlp.linear_fc1.weight`` or ``embedding.word_embeddings.weight``.
+        layer: the global layer index (the chunk's offset on the stacked axis) for layer keys.
+
+    Returns:
+        (HF names, kind): kind is "qkv" (per-group interleave of q, k, v), "fc1" ([gate; up]),
+        "vocab" (rows padded to the padded vocabulary) or None (same tensor).
+
+    Raises:
+        ValueError: a key this mapping does not know (another architecture's tensor).
+    """
+    if key.startswith(LAYERS_PREFIX):
+        entry = _SHARDED_LAYER_KEYS.get(key[len(LAYERS_PREFIX):])
+        if entry is None or layer is None:
+            raise ValueError(f"megatron tensor {key!r} has no HF counterpart in the qwen2/qwen3/llama mapping")
+        names, kind = entry
+        return tuple(f"model.layers.{layer}.{n}" for n in names), kind
+    if key not in _SHARDED_OTHER_KEYS:
+        raise ValueError(f"megatron tensor {key!r} has no HF counterpart in the qwen2/qwen3/llama mapping")
+    return _SHARDED_OTHER_KEYS[key]
+
+
+def expected_hf_shapes(hf_config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor an HF checkpoint of this config holds, in HF state_dict order
+    (``lm_head.weight`` only when untied).
+
+    Raises:
+        ValueError: unsupported or incomplete config (see ``hf_config.build_transformer_config``).
+    """
+    from megatron_rl.models.hf_config import build_transformer_config
+
+    spec = build_model_spec(hf_config)
+    tf = build_transformer_config(hf_config)
+    h, ffn, hn = tf.hidden_size, tf.ffn_hidden_size, tf.kv_channels
+    nq, nkv = tf.num_attention_heads, tf.num_query_groups or tf.num_attention_heads
+    per_layer = {
+        "self_attn.q_proj.weight": (nq * hn, h), "self_attn.q_proj.bias": (nq * hn,),
+        "self_attn.k_proj.weight": (nkv * hn, h), "self_attn.k_proj.bias": (nkv * hn,),
+        "self_attn.v_proj.weight": (nkv * hn, h), "self_attn.v_proj.bias": (nkv * hn,),
+        "self_attn.o_proj.weight": (h, nq * hn),
+        "self_attn.q_norm.weight": (hn,), "self_attn.k_norm.weight": (hn,),
+        "mlp.gate_proj.weight": (ffn, h), "mlp.up_proj.weight": (ffn, h), "mlp.down_proj.weight": (h, ffn),
+        "input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+    }
+    if not tf.add_qkv_bias:
+        per_layer = {k: v for k, v in per_layer.items() if not k.endswith("proj.bias")}
+    if not spec.qk_layernorm:
+        per_layer = {k: v for k, v in per_layer.items() if not k.endswith("_norm.weight")}
+    shapes = {"model.embed_tokens.weight": (spec.vocab_size, h)}
+    for layer in range(tf.num_layers):
+        for suffix in _HF_LAYER_ORDER:
+            if suffix in per_layer:
+                shapes[f"model.layers.{layer}.{suffix}"] = per_layer[suffix]
+    shapes["model.norm.weight"] = (h,)
+    if not spec.tie_word_embeddings:
+        shapes["lm_head.weight"] = (spec.vocab_size, h)
+    return shapes
+
+
+def check_hf_checkpoint(source: "HFTensors", hf_config: Mapping[str, Any], where: str) -> dict[str, tuple[int, ...]]:
+    """Compare an HF checkpoint's tensor names and shapes with its config before converting it
+    (reads only the safetensors headers).
+
+    Returns:
+        ``expected_hf_shapes(hf_config)``.
+
+    Raises:
+        ValueError: a tensor is missing, has another shape (names the tensor and both shapes), or
+            has no place in the model (e.g. a bias that the config's architecture lacks).
+    """
+    expected = expected_hf_shapes(hf_config)
+    for name, shape in expected.items():
+        if name not in source:
+            raise ValueError(f"{where}: no tensor {name!r} (config.json expects one of shape {list(shape)})")
+        got = source.shape(name)
+        if tuple(got) != tuple(shape):
+            raise ValueError(f"{where}: tensor {name!r} has shape {list(got)}, config.json expects {list(shape)}")
+    tied_head = "lm_head.weight" not in expected
+    unused = sorted(n for n in source.names() - set(expected)
+                    if not n.endswith("rotary_emb.inv_freq") and not (tied_head and n == "lm_head.weight"))
+    if unused:
+        raise ValueError(
+            f"{where}: {len(unused)} tensors of the HF checkpoint have no place in the model, e.g. {unused[:4]}: "
+            "the checkpoint does not match its config.json (model_type, attention_bias, tie_word_embeddings, ...)"
+        )
+    return expected
+
+
+def global_chunk_from_hf(source: "HFTensors", key: str, offsets: tuple[int, ...], sizes: tuple[int, ...],
+                         *, num_query_groups: int) -> torch.Tensor:
+    """One chunk of a megatron global tensor, built from the HF tensors it comes from.
+
+    Args:
+        source: the HF tensors.
+        key: sharded-state-dict key (see :func:`sharded_key_to_hf`).
+        offsets, sizes: the chunk in the global tensor; layer keys have the stacked layer axis
+            first (size 1 in ``sizes``).
+        num_query_groups: GQA groups (``num_key_value_heads``) for the QKV interleave.
+
+    Returns:
+        A tensor of shape ``sizes`` in the HF dtype (padded vocabulary rows are zero). It shares
+        memory with the HF tensor when no fusing or padding is needed.
+
+    Raises:
+        ValueError: the HF tensors do not fill the chunk (names the tensor and both shapes).
+    """
+    layered = key.startswith(LAYERS_PREFIX)
+    names, kind = sharded_key_to_hf(key, offsets[0] if layered else None)
+    start, size = (offsets[1:], sizes[1:]) if layered else (offsets, sizes)
+    rows = slice(start[0], start[0] + size[0])
+    if kind == "fc1":  # rows [0, F) are gate_proj, [F, 2F) up_proj
+        ffn = source.shape(names[0])[0]
+        parts = []
+        for name, lo in ((names[0], 0), (names[1], ffn)):
+            a, b = max(rows.start, lo), min(rows.stop, lo + ffn)
+            if a < b:
+                parts.append(source.get(name)[a - lo:b - lo])
+        full = parts[0] if len(parts) == 1 else torch.cat(parts)
+    elif kind == "qkv":
+        full = _fuse_qkv(*(source.get(n) for n in names), num_query_groups)[rows]
+    elif kind == "vocab":
+        weight = source.get(names[0])
+        if rows.stop <= weight.shape[0]:
+            full = weight[rows]
+        else:  # padded rows are zero
+            full = weight.new_zeros(size[0], *weight.shape[1:])
+            real = weight[rows.start:min(rows.stop, weight.shape[0])]
+            full[: real.shape[0]] = real
+    else:
+        full = source.get(names[0])[rows]
+    full = full[(slice(None),) + tuple(slice(o, o + s) for o, s in zip(start[1:], size[1:]))]
+    if tuple(full.shape) != tuple(size):
+        raise ValueError(f"megatron tensor {key!r} chunk at {list(offsets)}: HF tensors {list(names)} give shape "
+                         f"{list(full.shape)}, the checkpoint expects {list(size)}")
+    return full.reshape(sizes)
+
+
+def hf_from_global(key: str, tensor: torch.Tensor, *, layer: int | None, num_query_groups: int, head_dim: int,
+                   vocab_size: int) -> list[tuple[str, torch.Tensor]]:
+    """HF tensors of one whole megatron global tensor (one layer's slice for layer keys, without the
+    stacked axis): QKV split per group, fc1 split into gate and up, padded vocabulary rows trimmed.
+    The results are views of ``tensor`` where possible.
+
+    Raises:
+        ValueError: unknown key (see :func:`sharded_key_to_hf`).
+    """
+    names, kind = sharded_key_to_hf(key, layer)
+    if kind == "qkv":
+        outputs = _split_qkv(tensor, num_query_groups, head_dim)
+    elif kind == "fc1":
+        outputs = torch.chunk(tensor, 2, dim=0)
+    elif kind == "vocab":
+        outputs = (tensor[:vocab_size],)
+    else:
+        outputs = (tensor,)
+    return list(zip(names, outputs, strict=True))
