@@ -144,6 +144,12 @@ def _convert(argv: list[str]) -> int:
     to_mg.add_argument("--hf", required=True, help="Hugging Face model folder")
     to_mg.add_argument("--out", required=True, help="empty folder for the dist checkpoint")
     to_mg.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    to_mg.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                       help="TP size the checkpoint is for (the vocabulary is padded to a multiple of "
+                            "make_vocab_size_divisible_by x TP; other tensors load at any TP/PP)")
+    to_mg.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    for sub_parser in (to_hf, to_mg):
+        sub_parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
 
     import logging
@@ -153,9 +159,13 @@ def _convert(argv: list[str]) -> int:
 
     try:
         if args.direction == "to-hf":
-            out = export_to_hf(args.checkpoint, args.out, hf_config_dir=args.hf_config_dir, dtype=args.dtype)
+            out = export_to_hf(args.checkpoint, args.out, hf_config_dir=args.hf_config_dir, dtype=args.dtype,
+                               progress=not args.no_progress)
         else:
-            out = import_from_hf(args.hf, args.out, dtype=args.dtype)
+            out = import_from_hf(args.hf, args.out, dtype=args.dtype,
+                                 tensor_model_parallel_size=args.tensor_model_parallel_size,
+                                 make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                                 progress=not args.no_progress)
     except (ValueError, FileNotFoundError, FileExistsError, KeyError) as e:
         print(f"megatron-rl convert: error: {e}", file=sys.stderr)
         return 1
