@@ -1,4 +1,13 @@
-"""Start and stop the embedded rollout server as a subprocess (``python -m megatron_rl.rollout.server``)."""
+"""Start and stop rollout servers as subprocesses, one interface for both backends.
+
+``embedded``: ``python -m megatron_rl.rollout.server`` (the project's HF server; ``--parent-pid``
+watchdog). ``sglang``: ``<python> -m sglang.launch_server`` with SGLang 0.5.23's flags, run by the
+interpreter of SGLang's own environment (it pins its own torch). Every server gets explicit,
+unique ports chosen before any of them starts (an HTTP port, and for SGLang an ``--nccl-port``),
+never SGLang's default of ``port + random(100, 1000)`` for NCCL, which collides when several
+engines share a node (case B31). ``launch_servers`` starts several and returns ``ServerProcess``
+handles; ``ServerProcess.restart()`` starts a dead one again on the same ports.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from megatron_rl.ports import find_free_port
@@ -18,7 +27,16 @@ from megatron_rl.rollout.errors import RolloutServerError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ServerProcess", "find_free_port", "launch_rollout_server"]
+__all__ = [
+    "ROLLOUT_BACKENDS",
+    "ServerProcess",
+    "allocate_server_ports",
+    "build_embedded_command",
+    "build_sglang_command",
+    "find_free_port",
+    "launch_rollout_server",
+    "launch_servers",
+]
 
 def _tail(path: Path, lines: int = 40) -> str:
     try:
@@ -53,6 +71,11 @@ class ServerProcess:
         self.log_path = log_path
         self._api_key = api_key
         self._admin_api_key = admin_api_key
+        self.command: list[str] | None = None
+        self.ports: tuple[int, ...] = (port,)
+        self.env: dict[str, str] | None = None
+        self.startup_timeout_s = 120.0
+        self.restarts = 0
         atexit.register(self.stop)
 
     @property
@@ -74,6 +97,26 @@ class ServerProcess:
         """The last ``lines`` lines of the server log."""
         return _tail(self.log_path, lines)
 
+    def restart(self) -> None:
+        """Stop the process if it still runs, start the same command on the same ports and wait for
+        ``/health`` (the fresh server holds the checkpoint's weights: re-sync it before sampling).
+
+        Raises:
+            RolloutServerError: it did not come back (the log tail is in the message).
+        """
+        if self.command is None:
+            raise RolloutServerError(f"{self.base_url}: started without a recorded command; cannot restart")
+        self.stop(timeout_s=5.0)
+        self.process = _spawn(self.command, self.log_path, self.env)
+        self.restarts += 1
+        atexit.register(self.stop)
+        try:
+            if _wait_healthy(self, self.startup_timeout_s) == "port":
+                raise RolloutServerError(f"{self.base_url}: its port is taken; cannot restart it there")
+        except BaseException:
+            self.stop(timeout_s=5.0)
+            raise
+
     def stop(self, timeout_s: float = 10.0) -> None:
         """Terminate (SIGTERM), then kill after ``timeout_s``; idempotent."""
         atexit.unregister(self.stop)
@@ -93,6 +136,211 @@ class ServerProcess:
         self.stop()
 
 
+ROLLOUT_BACKENDS = ("embedded", "sglang")
+"""Names accepted by ``rollout.backend`` / ``launch_servers(backend=...)``."""
+
+
+def allocate_server_ports(
+    num_servers: int, *, host: str = "127.0.0.1", ports: Sequence[int] = (), per_server: int = 2
+) -> list[tuple[int, ...]]:
+    """``per_server`` TCP ports for each of ``num_servers`` servers, all distinct (case B31).
+
+    Args:
+        num_servers: servers to start together.
+        host: where the ports must be free.
+        ports: explicit ports, ``per_server`` consecutive entries per server (HTTP port first, then
+            the NCCL port); empty = pick free ones with ``megatron_rl.ports.find_free_port``, which
+            never hands out a port twice in one process.
+        per_server: ports each server needs (2 for SGLang: HTTP and ``--nccl-port``; 1 embedded).
+
+    Returns:
+        ``[(http_port, nccl_port, ...), ...]``, one tuple per server.
+
+    Raises:
+        ValueError: explicit ports of the wrong count, out of range, or repeated (names them).
+    """
+    need = num_servers * per_server
+    if ports:
+        ports = [int(p) for p in ports]
+        if len(ports) != need:
+            raise ValueError(f"rollout ports: {num_servers} server(s) need {need} ports ({per_server} each), got {len(ports)}")
+        bad = [p for p in ports if not 1 <= p <= 65535]
+        if bad:
+            raise ValueError(f"rollout ports: {bad} are not TCP ports (1-65535)")
+        dup = sorted({p for p in ports if ports.count(p) > 1})
+        if dup:
+            raise ValueError(f"rollout ports: {dup} given more than once; every server needs its own ports")
+    else:
+        ports = [find_free_port(host) for _ in range(need)]
+    return [tuple(ports[i * per_server : (i + 1) * per_server]) for i in range(num_servers)]
+
+
+def build_embedded_command(
+    model_path: str | os.PathLike, *, host: str, port: int, extra_args: Sequence[str] = ()
+) -> list[str]:
+    """Command line of the embedded server (``--parent-pid``: it exits when this process dies)."""
+    return [
+        sys.executable, "-m", "megatron_rl.rollout.server", "--model-path", str(model_path), "--host", host,
+        "--port", str(port), "--parent-pid", str(os.getpid()), *[str(a) for a in extra_args],
+    ]
+
+
+def build_sglang_command(
+    model_path: str | os.PathLike,
+    *,
+    python: str,
+    host: str,
+    port: int,
+    nccl_port: int,
+    tp_size: int = 1,
+    mem_fraction_static: float | None = None,
+    skip_tokenizer_init: bool = True,
+    random_seed: int | None = None,
+    enable_deterministic_inference: bool = False,
+    dtype: str | None = None,
+    weight_version: str | None = None,
+    api_key: str | None = None,
+    admin_api_key: str | None = None,
+    extra_args: Sequence[str] = (),
+) -> list[str]:
+    """Command line of ``python -m sglang.launch_server`` (SGLang 0.5.23's flag names, SGLANG_API.md).
+
+    Args:
+        python: interpreter of the environment where SGLang is installed.
+        port, nccl_port: the HTTP port and the port of the server's own NCCL init (``--nccl-port``),
+            both explicit so that engines on one node never collide (case B31).
+        tp_size: ``--tp-size``, GPUs of one engine.
+        mem_fraction_static: ``--mem-fraction-static`` (weights + KV cache share of GPU memory);
+            None keeps SGLang's default.
+        skip_tokenizer_init: ``--skip-tokenizer-init``: token ids in and out (the rollout sends ids).
+        random_seed, enable_deterministic_inference, dtype, weight_version, api_key, admin_api_key:
+            the flags of the same names; None / False leaves a flag out.
+        extra_args: appended as given (e.g. ``["--enable-memory-saver"]``).
+
+    Raises:
+        ValueError: ``tp_size < 1``, ``mem_fraction_static`` outside (0, 1), or equal ports.
+    """
+    if tp_size < 1:
+        raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+    if mem_fraction_static is not None and not 0.0 < mem_fraction_static < 1.0:
+        raise ValueError(f"mem_fraction_static must be in (0, 1), got {mem_fraction_static}")
+    if port == nccl_port:
+        raise ValueError(f"the HTTP port and the NCCL port must differ, both are {port}")
+    cmd = [
+        python, "-m", "sglang.launch_server", "--model-path", str(model_path), "--host", host, "--port", str(port),
+        "--nccl-port", str(nccl_port), "--tp-size", str(tp_size),
+    ]
+    if mem_fraction_static is not None:
+        cmd += ["--mem-fraction-static", str(mem_fraction_static)]
+    if skip_tokenizer_init:
+        cmd.append("--skip-tokenizer-init")
+    if random_seed is not None:
+        cmd += ["--random-seed", str(random_seed)]
+    if enable_deterministic_inference:
+        cmd.append("--enable-deterministic-inference")
+    if dtype is not None:
+        cmd += ["--dtype", dtype]
+    if weight_version is not None:
+        cmd += ["--weight-version", str(weight_version)]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    if admin_api_key:
+        cmd += ["--admin-api-key", admin_api_key]
+    return cmd + [str(a) for a in extra_args]
+
+
+def _spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None) -> subprocess.Popen:
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            # own session: a signal to the trainer's process group (Ctrl-C, timeout, scancel) reaches
+            # the trainer only, which finishes its step and stops the server itself; the
+            # server's --parent-pid watchdog covers a trainer killed outright.
+            start_new_session=True,
+            env=env if env is not None else os.environ.copy(),
+        )
+
+
+def _wait_healthy(server: ServerProcess, startup_timeout_s: float) -> str | None:
+    """Poll ``/health``; returns None when healthy, ``"port"`` when the port was taken.
+
+    Raises:
+        RolloutServerError: the server exited or stayed unhealthy (with the log tail).
+    """
+    probe = RolloutClient(server.base_url, timeout_s=5.0, max_retries=0)
+    deadline = time.monotonic() + startup_timeout_s
+    try:
+        while True:
+            if server.process.poll() is not None:
+                tail = server.log_tail()
+                if "address already in use" in tail.lower():
+                    return "port"
+                raise RolloutServerError(
+                    f"rollout server exited with code {server.process.returncode} during startup; "
+                    f"last lines of {server.log_path}:\n{tail}"
+                )
+            if probe.is_healthy(timeout_s=2.0):
+                return None
+            if time.monotonic() > deadline:
+                raise RolloutServerError(
+                    f"rollout server not healthy after {startup_timeout_s:.0f} s; last lines of {server.log_path}:\n"
+                    f"{server.log_tail()}"
+                )
+            time.sleep(0.2)
+    finally:
+        probe.close()
+
+
+def _start(
+    make_cmd: Callable[[tuple[int, ...]], list[str]],
+    ports: tuple[int, ...] | None,
+    num_ports: int,
+    *,
+    host: str,
+    log_path: str | os.PathLike | None,
+    startup_timeout_s: float,
+    env: dict[str, str] | None,
+    api_key: str | None,
+    admin_api_key: str | None,
+    wait: bool = True,
+) -> ServerProcess:
+    """Start one server; with ``ports=None`` free ports are picked (and re-picked if taken meanwhile)."""
+    attempts = 3 if ports is None else 1
+    for attempt in range(attempts):
+        chosen = ports if ports is not None else allocate_server_ports(1, host=host, per_server=num_ports)[0]
+        if log_path is None:
+            fd, name = tempfile.mkstemp(prefix=f"rollout-server-{chosen[0]}-", suffix=".log")
+            os.close(fd)
+            path = Path(name)
+        else:
+            path = Path(log_path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+        cmd = make_cmd(chosen)
+        logger.info("starting rollout server on %s:%d (ports %s, log %s)", host, chosen[0], list(chosen), path)
+        server = ServerProcess(_spawn(cmd, path, env), host, chosen[0], path, api_key, admin_api_key)
+        server.command, server.ports, server.env = cmd, chosen, env
+        server.startup_timeout_s = startup_timeout_s
+        if not wait:
+            return server
+        try:
+            taken = _wait_healthy(server, startup_timeout_s)
+        except BaseException:
+            server.stop(timeout_s=5.0)
+            raise
+        if taken is None:
+            return server
+        server.stop(timeout_s=5.0)
+        if attempt + 1 < attempts:
+            logger.warning("port %s was taken; retrying with other ports", list(chosen))
+            continue
+        raise RolloutServerError(f"rollout server could not bind its ports {list(chosen)}; last lines of {path}:\n"
+                                 f"{server.log_tail()}")
+    raise RolloutServerError(f"could not start the rollout server after {attempts} attempts (ports taken)")
+
+
 def launch_rollout_server(
     model_path: str | os.PathLike,
     *,
@@ -103,7 +351,7 @@ def launch_rollout_server(
     startup_timeout_s: float = 120.0,
     env: dict[str, str] | None = None,
 ) -> ServerProcess:
-    """Start ``python -m megatron_rl.rollout.server`` and wait until ``/health`` answers.
+    """Start the embedded server (``python -m megatron_rl.rollout.server``) and wait until ``/health`` answers.
 
     Args:
         model_path: HF checkpoint directory.
@@ -122,74 +370,96 @@ def launch_rollout_server(
             the message holds the last 40 lines of its log.
     """
     extra_args = [str(a) for a in extra_args]
-    api_key = _flag_value(extra_args, "--api-key")
-    admin_api_key = _flag_value(extra_args, "--admin-api-key")
-    attempts = 3 if port is None else 1
-    for attempt in range(attempts):
-        chosen = port if port is not None else find_free_port(host)
-        if log_path is None:
-            fd, name = tempfile.mkstemp(prefix=f"rollout-server-{chosen}-", suffix=".log")
-            os.close(fd)
-            path = Path(name)
-        else:
-            path = Path(log_path)
-            path.parent.mkdir(parents=True, exist_ok=True)
-        cmd = [
-            sys.executable,
-            "-m",
-            "megatron_rl.rollout.server",
-            "--model-path",
-            str(model_path),
-            "--host",
-            host,
-            "--port",
-            str(chosen),
-            "--parent-pid",
-            str(os.getpid()),
-            *extra_args,
-        ]
-        logger.info("starting rollout server on %s:%d (log %s)", host, chosen, path)
-        with open(path, "ab") as log:
-            proc = subprocess.Popen(
-                cmd,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                # own session: a signal to the trainer's process group (Ctrl-C, timeout, scancel) reaches
-                # the trainer only, which finishes its step and stops the server itself; the
-                # server's --parent-pid watchdog covers a trainer killed outright.
-                start_new_session=True,
-                env=env if env is not None else os.environ.copy(),
-            )
-        server = ServerProcess(proc, host, chosen, path, api_key, admin_api_key)
-        probe = RolloutClient(server.base_url, timeout_s=5.0, max_retries=0)
-        deadline = time.monotonic() + startup_timeout_s
-        try:
-            while True:
-                if proc.poll() is not None:
-                    tail = server.log_tail()
-                    if "address already in use" in tail.lower() and attempt + 1 < attempts:
-                        logger.warning("port %d was taken; retrying with another port", chosen)
-                        break
-                    raise RolloutServerError(
-                        f"rollout server exited with code {proc.returncode} during startup; "
-                        f"last lines of {path}:\n{tail}"
-                    )
-                if probe.is_healthy(timeout_s=2.0):
-                    return server
-                if time.monotonic() > deadline:
-                    raise RolloutServerError(
-                        f"rollout server not healthy after {startup_timeout_s:.0f} s; last lines of {path}:\n"
-                        f"{server.log_tail()}"
-                    )
-                time.sleep(0.2)
-        except BaseException:
+    return _start(
+        lambda ports: build_embedded_command(model_path, host=host, port=ports[0], extra_args=extra_args),
+        (port,) if port is not None else None, 1, host=host, log_path=log_path,
+        startup_timeout_s=startup_timeout_s, env=env, api_key=_flag_value(extra_args, "--api-key"),
+        admin_api_key=_flag_value(extra_args, "--admin-api-key"),
+    )
+
+
+def launch_servers(
+    backend: str,
+    model_path: str | os.PathLike,
+    num_servers: int,
+    *,
+    host: str = "127.0.0.1",
+    ports: Sequence[int] = (),
+    log_dir: str | os.PathLike | None = None,
+    startup_timeout_s: float = 180.0,
+    env: dict[str, str] | None = None,
+    api_key: str | None = None,
+    admin_api_key: str | None = None,
+    random_seed: int | None = None,
+    enable_deterministic_inference: bool = False,
+    embedded_args: Sequence[str] = (),
+    sglang_python: str = "python",
+    tp_size: int = 1,
+    mem_fraction_static: float | None = None,
+    skip_tokenizer_init: bool = True,
+    sglang_args: Sequence[str] = (),
+) -> list[ServerProcess]:
+    """Start ``num_servers`` rollout servers of ``backend`` together and wait until all are healthy.
+
+    Ports for all of them are allocated first (``allocate_server_ports``: explicit ``ports`` or free
+    ones, all distinct), then the processes start at once and are waited for together, so their
+    start-ups overlap. Server *i* logs to ``<log_dir>/rollout_server_<i>.log``.
+
+    Args:
+        backend: ``"embedded"`` or ``"sglang"`` (``ROLLOUT_BACKENDS``).
+        ports: explicit ports: one per server (embedded) or two per server, HTTP then NCCL (sglang).
+        embedded_args: more flags for the embedded server (e.g. ``["--max-batch-size", "64"]``).
+        sglang_python, tp_size, mem_fraction_static, skip_tokenizer_init, sglang_args: see
+            ``build_sglang_command``.
+        Others: as ``launch_rollout_server``; the keys and the seed go to either backend's flag.
+
+    Returns:
+        One healthy ``ServerProcess`` per server, in order (``restart()`` brings one back).
+
+    Raises:
+        ValueError: unknown backend or bad ports.
+        RolloutServerError: a server did not come up (all started ones are stopped).
+    """
+    if backend not in ROLLOUT_BACKENDS:
+        raise ValueError(f"rollout backend {backend!r} unknown; choose one of {', '.join(ROLLOUT_BACKENDS)}")
+    per_server = 1 if backend == "embedded" else 2
+    port_sets = allocate_server_ports(num_servers, host=host, ports=ports, per_server=per_server)
+
+    def make_cmd(ports_: tuple[int, ...]) -> list[str]:
+        if backend == "embedded":
+            extra = list(embedded_args)
+            if random_seed is not None:
+                extra += ["--random-seed", str(random_seed)]
+            if enable_deterministic_inference:
+                extra.append("--enable-deterministic-inference")
+            if api_key:
+                extra += ["--api-key", api_key]
+            if admin_api_key:
+                extra += ["--admin-api-key", admin_api_key]
+            return build_embedded_command(model_path, host=host, port=ports_[0], extra_args=extra)
+        return build_sglang_command(
+            model_path, python=sglang_python, host=host, port=ports_[0], nccl_port=ports_[1], tp_size=tp_size,
+            mem_fraction_static=mem_fraction_static, skip_tokenizer_init=skip_tokenizer_init,
+            random_seed=random_seed, enable_deterministic_inference=enable_deterministic_inference,
+            api_key=api_key, admin_api_key=admin_api_key, extra_args=sglang_args,
+        )
+
+    servers: list[ServerProcess] = []
+    try:
+        for i, ports_ in enumerate(port_sets):
+            log = Path(log_dir) / f"rollout_server_{i}.log" if log_dir is not None else None
+            servers.append(_start(make_cmd, ports_, per_server, host=host, log_path=log,
+                                  startup_timeout_s=startup_timeout_s, env=env, api_key=api_key,
+                                  admin_api_key=admin_api_key, wait=False))
+        for server in servers:
+            if _wait_healthy(server, startup_timeout_s) == "port":
+                raise RolloutServerError(f"rollout server {server.base_url}: port {list(server.ports)} taken; "
+                                         f"last lines of {server.log_path}:\n{server.log_tail()}")
+    except BaseException:
+        for server in servers:
             server.stop(timeout_s=5.0)
-            raise
-        finally:
-            probe.close()
-        server.stop(timeout_s=5.0)
-    raise RolloutServerError(f"could not start the rollout server after {attempts} attempts (ports taken)")
+        raise
+    return servers
 
 
 def _flag_value(args: Sequence[str], flag: str) -> str | None:

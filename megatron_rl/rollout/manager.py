@@ -12,9 +12,9 @@ import hashlib
 import logging
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -89,7 +89,9 @@ class RolloutManager:
     """Generates and scores groups through one or more SGLang-API servers.
 
     Args:
-        clients: `RolloutClient`s; requests are spread round-robin by (prompt, response).
+        clients: a `ServerFleet`, or `RolloutClient`s (a fleet without restarts is made of them);
+            requests are spread round-robin by (prompt, response) over the servers that are up, and
+            a request that got no answer is retried on a live server (see `ServerFleet`).
         tokenizer: a Hugging Face tokenizer (prompt rendering and response decoding).
         reward_pool: a `RewardPool` (verifiers in processes, with a timeout per call).
         reward_fn: registry name of the verifier.
@@ -117,9 +119,10 @@ class RolloutManager:
         max_concurrency: int = 256,
         eos_token_ids: Sequence[int] = (),
     ) -> None:
-        if not clients:
-            raise ValueError("RolloutManager needs at least one rollout server client")
-        self.clients = list(clients)
+        from megatron_rl.rollout.fleet import ServerFleet
+
+        self.fleet = clients if isinstance(clients, ServerFleet) else ServerFleet(list(clients) or [], None)
+        self.clients = self.fleet.clients
         self.tokenizer = tokenizer
         self.reward_pool = reward_pool
         self.reward_fn = reward_fn
@@ -177,11 +180,36 @@ class RolloutManager:
                 params = dict(sampling_params)
                 params["max_new_tokens"] = max_new
                 params["sampling_seed"] = derive_seed(*seed_parts, i, j)
-                client = self.clients[(i * n + j) % len(self.clients)]
-                futures.append(self._executor.submit(client.generate, ids, params, f"{tag}-p{i}-r{j}",
-                                                     eos_token_ids=self.eos_token_ids))
+                futures.append(self._executor.submit(self._generate_one, i * n + j, ids, params, f"{tag}-p{i}-r{j}"))
         results = [f.result() for f in futures]
         return [results[i * n : (i + 1) * n] for i in range(len(rows))]
+
+    def _generate_one(self, key: int, ids: list[int], params: dict, rid: str):
+        """One `/generate` on the server picked for `key`; retried on a live server when it got no
+        answer (the server died or hung; `ServerFleet.report_failure` recovers). An HTTP error answer
+        is raised at once. The retry repeats the same rid and `sampling_seed`."""
+        from megatron_rl.rollout.errors import RolloutServerError
+
+        for attempt in range(2 * len(self.clients) + 2):
+            index, epoch = self.fleet.pick(key)
+            try:
+                return self.clients[index].generate(ids, params, rid, eos_token_ids=self.eos_token_ids)
+            except RolloutServerError as e:
+                if e.status_code is not None:
+                    raise
+                self.fleet.report_failure(index, epoch, e)
+                logger.info("retrying request %s (attempt %d)", rid, attempt + 2)
+        raise RolloutServerError(f"request {rid} got no answer from any rollout server")
+
+    def abort(self, rid_prefix: str) -> None:
+        """`/abort_request` on every server that is up: every request whose rid starts with `rid_prefix`."""
+        from megatron_rl.rollout.errors import RolloutServerError
+
+        for i in self.fleet.up_indices():
+            try:
+                self.clients[i].abort_request(rid=rid_prefix)
+            except RolloutServerError as e:  # a server that fails here fails its requests too
+                logger.warning("abort_request(%r) on %s failed: %s", rid_prefix, self.clients[i].base_url, e)
 
     def score(self, rows: Sequence[PromptRow], results: list[list]) -> list[list[dict]]:
         """Run the verifier on every response ([P][n] GenerateResults) -> [P][n] reward dicts."""
@@ -200,8 +228,20 @@ class RolloutManager:
         return [flat[i * n : (i + 1) * n] for i in range(len(results))]
 
     def generate_groups(self, rows: Sequence[PromptRow], *, n: int, sampling_params: dict, step: int,
-                        gen_batch: int) -> tuple[list[Group], dict]:
-        """One generation batch: sample, verify, shape rewards -> Groups (input order) and timings."""
+                        gen_batch: int, stop_after: Optional[int] = None,
+                        keep_fn: Optional[Callable[[Group], bool]] = None) -> tuple[list[Group], dict]:
+        """One generation batch: sample, verify, shape rewards -> Groups (input order) and timings.
+
+        With `stop_after` (over-sampling with abort, slime's dynamic sampling): groups are scored as
+        soon as all `n` of their responses are in; once `stop_after` finished groups pass `keep_fn`,
+        every request of this batch still running is aborted (`/abort_request` by rid prefix) and
+        the unfinished groups are dropped: partial responses are never returned, so never trained
+        on. The finished groups come back in prompt order (kept or not; the caller filters again).
+        Stats then add `rollout/aborted` (responses aborted) and `rollout/unfinished_groups`.
+        """
+        if stop_after is not None:
+            return self._generate_groups_until(rows, n=n, sampling_params=sampling_params, step=step,
+                                               gen_batch=gen_batch, stop_after=stop_after, keep_fn=keep_fn)
         t0 = time.perf_counter()
         tag = f"s{step}-b{gen_batch}"
         results = self.generate(rows, n=n, sampling_params=sampling_params, tag=tag,
@@ -209,9 +249,67 @@ class RolloutManager:
         t1 = time.perf_counter()
         rewards = self.score(rows, results)
         t2 = time.perf_counter()
+        groups = self._build_groups(rows, results, rewards, tag, range(len(rows)))
+        return groups, {"timing/generate_s": t1 - t0, "timing/reward_s": t2 - t1}
+
+    def _generate_groups_until(self, rows, *, n, sampling_params, step, gen_batch, stop_after, keep_fn):
+        if keep_fn is None or stop_after < 1:
+            raise ValueError("over-sampling needs keep_fn and stop_after >= 1")
+        t0 = time.perf_counter()
+        tag = f"s{step}-b{gen_batch}"
+        max_new = self.max_response_length
+        futures: dict = {}
+        for i, row in enumerate(rows):
+            ids = self.prompt_ids(row)
+            for j in range(n):
+                params = dict(sampling_params, max_new_tokens=max_new,
+                              sampling_seed=derive_seed(self.seed, step, gen_batch, i, j))
+                futures[self._executor.submit(self._generate_one, i * n + j, ids, params, f"{tag}-p{i}-r{j}")] = (i, j)
+        results: list[list] = [[None] * n for _ in rows]
+        remaining = [n] * len(rows)
+        finished: dict[int, Group] = {}
+        kept = 0
+        reward_s = 0.0
+        aborted_at = None
+        pending = set(futures)
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            ready = []
+            for f in done:
+                i, j = futures[f]
+                results[i][j] = f.result()
+                remaining[i] -= 1
+                if remaining[i] == 0 and aborted_at is None:
+                    ready.append(i)
+            if not ready:
+                continue
+            ready.sort()
+            if any(r.finish_type == "abort" for i in ready for r in results[i]):
+                ready = [i for i in ready if all(r.finish_type != "abort" for r in results[i])]
+            tr = time.perf_counter()
+            rewards = self.score([rows[i] for i in ready], [results[i] for i in ready])
+            reward_s += time.perf_counter() - tr
+            for g, i in zip(self._build_groups(rows, [results[i] for i in ready], rewards, tag, ready), ready):
+                finished[i] = g
+                kept += bool(keep_fn(g))
+            if kept >= stop_after and pending and aborted_at is None:
+                aborted_at = time.perf_counter()
+                self.abort(f"{tag}-")
+        aborted = sum(1 for grp in results for r in grp if r is not None and r.finish_type == "abort")
+        groups = [finished[i] for i in sorted(finished)]
+        t1 = time.perf_counter()
+        if aborted_at is not None:
+            logger.info("over-sampling: %d groups kept of %d finished; aborted %d responses of %d unfinished "
+                        "groups (%.2f s to drain)", kept, len(groups), aborted, len(rows) - len(groups), t1 - aborted_at)
+        return groups, {"timing/generate_s": t1 - t0 - reward_s, "timing/reward_s": reward_s,
+                        "rollout/aborted": aborted, "rollout/unfinished_groups": len(rows) - len(groups)}
+
+    def _build_groups(self, rows, results, rewards, tag: str, indices) -> list[Group]:
+        """Groups of the rows at `indices` (uids keep the prompt index in the batch)."""
         enable, buf_len, factor = self.overlong
         groups = []
-        for i, (row, res_group, rew_group) in enumerate(zip(rows, results, rewards)):
+        for i, res_group, rew_group in zip(indices, results, rewards):
+            row = rows[i]
             lengths = torch.tensor([len(r.output_ids) for r in res_group], dtype=torch.long)
             if enable:
                 pens = overlong_penalty(lengths, max_response_length=self.max_response_length,
@@ -243,4 +341,4 @@ class RolloutManager:
                     )
                 )
             groups.append(Group(prompt_key=row.prompt_key, group_uid=uid, samples=samples))
-        return groups, {"timing/generate_s": t1 - t0, "timing/reward_s": t2 - t1}
+        return groups

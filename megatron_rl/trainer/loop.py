@@ -81,32 +81,24 @@ class _Controller:
         self.stack = stack
         self._servers: list = []
         r = cfg.rollout
-        if not r.server_urls and r.backend != "embedded":
-            raise ValueError("rollout.server_urls is empty; only rollout.backend: embedded starts its own servers")
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="server-launch")
         self._launch = self._pool.submit(self._start_servers) if not r.server_urls else None
         stack.callback(self._stop_servers)
 
     def _start_servers(self) -> list[str]:
-        from megatron_rl.rollout.launcher import launch_rollout_server
+        from megatron_rl.rollout.launcher import launch_servers
 
         cfg, r = self.cfg, self.cfg.rollout
-        urls = []
-        for i in range(r.num_servers):
-            extra = ["--max-batch-size", str(r.server_max_batch_size), "--random-seed", str(cfg.trainer.seed)]
-            if r.enable_deterministic_inference:
-                extra.append("--enable-deterministic-inference")
-            if r.api_key:
-                extra += ["--api-key", r.api_key]
-            if r.admin_api_key:
-                extra += ["--admin-api-key", r.admin_api_key]
-            server = launch_rollout_server(
-                cfg.model.path, log_path=str(Path(cfg.run_dir) / f"rollout_server_{i}.log"),
-                extra_args=extra, startup_timeout_s=r.startup_timeout_s, env=rollout_server_env(),
-            )
-            self._servers.append(server)
-            urls.append(server.base_url)
-        return urls
+        self._servers = launch_servers(
+            r.backend, cfg.model.path, r.num_servers, ports=r.server_ports, log_dir=cfg.run_dir,
+            startup_timeout_s=r.startup_timeout_s, env=rollout_server_env(), api_key=r.api_key,
+            admin_api_key=r.admin_api_key, random_seed=cfg.trainer.seed,
+            enable_deterministic_inference=r.enable_deterministic_inference,
+            embedded_args=["--max-batch-size", str(r.server_max_batch_size)], sglang_python=r.sglang_python,
+            tp_size=r.tp_size, mem_fraction_static=r.mem_fraction_static, skip_tokenizer_init=r.skip_tokenizer_init,
+            sglang_args=r.sglang_extra_args,
+        )
+        return [server.base_url for server in self._servers]
 
     def _stop_servers(self) -> None:
         if self._launch is not None:
@@ -140,6 +132,7 @@ class _Controller:
         """
         from megatron_rl.rewards.pool import RewardPool
         from megatron_rl.rollout.client import RolloutClient
+        from megatron_rl.rollout.fleet import ServerFleet
         from megatron_rl.rollout.manager import RolloutManager
         from megatron_rl.weight_sync.sender import WeightSyncSender
 
@@ -149,11 +142,13 @@ class _Controller:
                                       generate_timeout_s=r.timeout_s) for u in urls]
         for c in self.clients:
             stack.callback(c.close)
+        self.fleet = ServerFleet(self.clients, self._servers if self._launch is not None else None,
+                                 max_restarts=r.max_server_restarts)
         self.reward_pool = stack.enter_context(RewardPool(cfg.reward.num_workers, cfg.reward.timeout_s))
         ob = cfg.reward.overlong_buffer
         eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
         self.manager = RolloutManager(
-            self.clients, tokenizer, self.reward_pool, reward_fn=cfg.reward.reward_fn,
+            self.fleet, tokenizer, self.reward_pool, reward_fn=cfg.reward.reward_fn,
             max_prompt_length=cfg.data.max_prompt_length, max_response_length=cfg.data.max_response_length,
             correct_score=cfg.reward.correct_score, incorrect_score=cfg.reward.incorrect_score,
             overlong=(ob.enable, ob.len, ob.penalty_factor), seed=cfg.trainer.seed,
@@ -167,6 +162,25 @@ class _Controller:
         )
         self.sender.init_group()
         stack.callback(self.sender.destroy)
+
+    def prepare_sync(self) -> None:
+        """Before a weight sync: bring back servers that were down (restart; re-create the group
+        over the servers that are up). Raises `RolloutServerError` when none can be brought back."""
+        self.fleet.check_all()
+        if self.fleet.recover():
+            logger.warning("rollout servers changed (%d up); re-creating the weight-update group",
+                           len(self.fleet.up_clients()))
+            self.sender.reinit(self.fleet.up_clients())
+
+    def sync(self, named_tensors, version: int) -> dict:
+        """Push the weights (DESIGN.md step 7) to every server that is up; group re-created first
+        when a previous attempt broke it. Raises `WeightSyncError`."""
+        if not self.sender.initialized:
+            self.sender.reinit(self.fleet.up_clients())
+        metrics = self.sender.sync(named_tensors, weight_version=str(version))
+        metrics["rollout/server_restarts"] = self.fleet.restarts
+        metrics["rollout/servers_up"] = len(self.fleet.up_clients())
+        return metrics
 
 
 class TrainingInterrupted(Exception):
@@ -306,8 +320,8 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
     from megatron_rl.data.prompts import check_prompt_lengths
     from megatron_rl.eval.evaluate import evaluate
     from megatron_rl.metrics.writer import MetricsWriter
-    from megatron_rl.models.builder import build_model, wrap_ddp_and_optimizer
-    from megatron_rl.models.hf_config import build_model_spec, build_transformer_config
+    from megatron_rl.models.builder import build_model, transformer_config_for, use_te_for, wrap_ddp_and_optimizer
+    from megatron_rl.models.hf_config import build_model_spec
     from megatron_rl.models.hf_weights import iter_hf_weights, load_hf_weights
     from megatron_rl.parallel.cpu_compat import enable_cpu_compat
     from megatron_rl.parallel.groups import destroy_parallel, initialize_parallel, world_of_one
@@ -360,15 +374,10 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
     hf_config = json.loads((Path(cfg.model.path) / "config.json").read_text())
     spec = build_model_spec(hf_config, tensor_model_parallel_size=t.tensor_model_parallel_size,
                               make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
-    tf_config = build_transformer_config(
-        hf_config, tensor_model_parallel_size=t.tensor_model_parallel_size,
-        pipeline_model_parallel_size=t.pipeline_model_parallel_size,
-        context_parallel_size=t.context_parallel_size, sequence_parallel=t.sequence_parallel,
-        params_dtype=torch.bfloat16 if t.precision == "bf16" else torch.float32, bf16=t.precision == "bf16",
-        fp8=t.fp8, fp8_recipe=t.fp8_recipe if t.fp8 else None, recompute=t.recompute,
-    )
+    tf_config = transformer_config_for(hf_config, t)
     model = build_model(hf_config, tf_config, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
-                        pre_process=pgs.is_pipeline_first_stage, post_process=pgs.is_pipeline_last_stage)
+                        pre_process=pgs.is_pipeline_first_stage, post_process=pgs.is_pipeline_last_stage,
+                        use_te=use_te_for(t.transformer_impl))
     load_hf_weights(model, cfg.model.path, tp_rank=pgs.tp_rank, tp_size=pgs.tp_size)
     o = cfg.actor.optim
     steps_per_rl_step = (cfg.data.train_batch_size // cfg.actor.ppo_mini_batch_size) * cfg.actor.ppo_epochs
@@ -383,7 +392,8 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
     ref_model = None
     if cfg.actor.use_kl_loss:
         ref_model = build_model(hf_config, tf_config, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
-                                pre_process=pgs.is_pipeline_first_stage, post_process=pgs.is_pipeline_last_stage)
+                                pre_process=pgs.is_pipeline_first_stage, post_process=pgs.is_pipeline_last_stage,
+                                use_te=use_te_for(t.transformer_impl))
         load_hf_weights(ref_model, cfg.model.path, tp_rank=pgs.tp_rank, tp_size=pgs.tp_size)
         ref_model.requires_grad_(False)
         ref_model = [ref_model]
@@ -443,13 +453,51 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
     def push_weights(version: int) -> dict:
         """Every rank calls it: the controller sends all stages' HF tensors to the servers; the first
         DP replica's ranks take part in the TP gathers, and each later stage's first TP rank
-        forwards its tensors to the controller (DESIGN.md step 7)."""
+        forwards its tensors to the controller (DESIGN.md step 7). A failed sync is retried once
+        (every rank sends again); a second failure stops the run with `WeightSyncError` before any
+        checkpoint of this step is written, so the last checkpoint stays the newest complete one."""
         with torch.no_grad():
-            if is_controller:
-                return ctl.sender.sync(_all_stage_weights(model, hf_config, pgs), weight_version=str(version))
-            if pgs.dp_rank == 0 and pgs.cp_rank == 0:
-                _send_stage_weights(model, hf_config, pgs)
-            return {}
+            if not is_controller:
+                while True:
+                    if pgs.dp_rank == 0 and pgs.cp_rank == 0:
+                        _send_stage_weights(model, hf_config, pgs)
+                    status = _broadcast_batch(None, pgs)
+                    if status != _SYNC_RETRY:
+                        return {}
+            error = None
+            for attempt in (1, 2):
+                weights = _all_stage_weights(model, hf_config, pgs)
+                try:
+                    ctl.prepare_sync()
+                    metrics = ctl.sync(weights, version)
+                    _broadcast_batch(_SYNC_DONE, pgs)
+                    if attempt == 2:
+                        logger.warning("weight sync to version %d succeeded on the retry", version)
+                    return metrics
+                except (WeightSyncError, RolloutServerError) as e:
+                    for _ in weights:  # drain: the other stages' sends and the TP gathers stay in step
+                        pass
+                    error = e
+                    if attempt == 1:
+                        logger.warning("weight sync to version %d failed (%s); retrying once with a new group",
+                                       version, e)
+                        ctl.sender.destroy()
+                        _broadcast_batch(_SYNC_RETRY, pgs)
+            _broadcast_batch(RuntimeError(f"weight sync failed twice: {error}"), pgs)
+            raise WeightSyncError(
+                f"weight sync to version {version} failed twice, the run stops: {error}. The newest checkpoint "
+                f"in {run_dir / 'checkpoints'} is intact; rerun the same command to resume from it") from error
+
+    def resync_now(clients) -> None:
+        """A restarted server while no other was up (`ServerFleet`): re-create the group, push the
+        current weights; the other ranks are waiting for the step's batch and join the sync."""
+        logger.warning("re-syncing %d rollout server(s) to weight version %d", len(clients), weight_version)
+        _broadcast_batch(_RESYNC, pgs)
+        m = push_weights(weight_version)  # prepare_sync re-creates the group over the servers now up
+        logger.warning("re-sync to weight version %d done in %.2f s", weight_version, m.get("weight_sync/time_s", 0.0))
+
+    if is_controller:
+        ctl.fleet.set_resync(resync_now)
 
     def run_eval(tag: str) -> dict:
         if not is_controller:
@@ -474,6 +522,10 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
                         dynamic_ncols=True, disable=None)
         stack.callback(progress.close)
     sampling = _sampling_params(cfg)
+    over_sampling = bool(cfg.rollout.over_sampling_batch_size) and fg.enable and not cfg.rollout.deterministic
+    if cfg.rollout.over_sampling_batch_size and not over_sampling and is_controller:
+        logger.warning("rollout.over_sampling_batch_size is ignored: it needs algorithm.filter_groups.enable and "
+                       "rollout.deterministic=false (which groups finish first depends on timing)")
 
     def checkpoint(step: int) -> None:
         save_checkpoint(
@@ -488,7 +540,7 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
 
     for step in range(start_step, t.total_training_steps + 1):
         t_step = time.perf_counter()
-        timings: dict = {"timing/generate_s": 0.0, "timing/reward_s": 0.0}
+        timings: dict = {"timing/generate_s": 0.0, "timing/reward_s": 0.0, "rollout/aborted": 0}
         q_hats: dict[str, float] = {}
         generated = {"tokens": 0, "responses": 0}
 
@@ -496,11 +548,18 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
             """Steps 1-5 on the controller: the step's groups, their advantages and the batch."""
             # 1-3. draw prompts, rollout, reward (one generation batch per call).
             def generate_batch(batch_idx: int):
-                rows = dataset.next_batch(gen_batch_size)
-                groups, tm = ctl.manager.generate_groups(rows, n=cfg.rollout.n, sampling_params=sampling,
-                                                         step=step, gen_batch=batch_idx)
+                if over_sampling:  # launch more prompts than needed, abort the rest once the batch is full
+                    rows = dataset.next_batch(cfg.rollout.over_sampling_batch_size)
+                    groups, tm = ctl.manager.generate_groups(
+                        rows, n=cfg.rollout.n, sampling_params=sampling, step=step, gen_batch=batch_idx,
+                        stop_after=cfg.data.train_batch_size - kept_so_far[0], keep_fn=keep)
+                    kept_so_far[0] += sum(1 for g in groups if keep(g))
+                else:
+                    rows = dataset.next_batch(gen_batch_size)
+                    groups, tm = ctl.manager.generate_groups(rows, n=cfg.rollout.n, sampling_params=sampling,
+                                                             step=step, gen_batch=batch_idx)
                 for k, v in tm.items():
-                    timings[k] += v
+                    timings[k] = timings.get(k, 0) + v
                 for g in groups:
                     k_correct, g_valid = g.num_correct, g.num_valid
                     generated["tokens"] += sum(len(s.response_ids) for s in g.samples)
@@ -514,6 +573,8 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
             def keep(group) -> bool:
                 values = group.metric_values(fg.metric)
                 return len(values) >= 2 and max(values) > min(values)
+
+            kept_so_far = [0]
 
             # 4. dynamic sampling (or keep every group of one batch).
             kept, ds_stats = collect_groups(
@@ -571,6 +632,9 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
             _broadcast_batch(batch, pgs)
         else:
             batch = _broadcast_batch(None, pgs)
+            while isinstance(batch, str) and batch == _RESYNC:
+                push_weights(weight_version)
+                batch = _broadcast_batch(None, pgs)
         t_lp = time.perf_counter()
         mini_seqs = a.ppo_mini_batch_size * cfg.rollout.n
         batch.old_logprobs = trainer.compute_logprobs(batch, mini_batch_sequences=mini_seqs)
@@ -637,6 +701,13 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
     logger.info("done in %.1fs; summary in %s", summary["wall_s"], run_dir / "summary.json")
     return summary
+
+
+_RESYNC = "__megatron_rl_resync__"
+"""Controller -> other ranks while they wait for a batch: take part in a weight sync now."""
+_SYNC_DONE = "__megatron_rl_sync_done__"
+_SYNC_RETRY = "__megatron_rl_sync_retry__"
+"""Controller -> other ranks after their sends of a sync: done, or send everything again."""
 
 
 def _broadcast_batch(batch, pgs):

@@ -180,7 +180,9 @@ class WeightSyncSender:
         Returns:
             metrics: ``weight_sync/time_s`` (whole sync, seconds), ``weight_sync/broadcast_time_s``,
             ``weight_sync/bytes`` (payload bytes broadcast), ``weight_sync/gbps`` (gigabits per second
-            over the whole sync, 1e9 bits), ``weight_sync/num_buckets``, ``weight_sync/num_tensors``.
+            over the whole sync, 1e9 bits), ``weight_sync/gb_per_s`` (1e9 bytes per second, whole sync),
+            ``weight_sync/bucket_prepare_time_s`` (producing the tensors: gathers, renames, cast and
+            flattening), ``weight_sync/num_buckets``, ``weight_sync/num_tensors``.
 
         Raises:
             WeightSyncError: any step failed; the servers stay paused and may hold partly updated
@@ -202,6 +204,8 @@ class WeightSyncSender:
             "weight_sync/broadcast_time_s": stats["broadcast_time_s"],
             "weight_sync/bytes": stats["bytes"],
             "weight_sync/gbps": stats["bytes"] * 8 / 1e9 / elapsed if elapsed > 0 else 0.0,
+            "weight_sync/gb_per_s": stats["bytes"] / 1e9 / elapsed if elapsed > 0 else 0.0,
+            "weight_sync/bucket_prepare_time_s": stats["prepare_time_s"],
             "weight_sync/num_buckets": stats["num_buckets"],
             "weight_sync/num_tensors": stats["num_tensors"],
         }
@@ -241,7 +245,9 @@ class WeightSyncSender:
         rank 0. ``weight_version``, when given, rides on the last bucket.
 
         Returns:
-            ``bytes``, ``num_buckets``, ``num_tensors``, ``broadcast_time_s`` (floats).
+            ``bytes``, ``num_buckets``, ``num_tensors``, ``broadcast_time_s`` (posting the bucket's
+            HTTP calls, the broadcast and the servers' loads, which overlap), ``prepare_time_s``
+            (producing the buckets) (floats).
 
         Raises:
             WeightSyncError: no tensors, a server refused a bucket (``group_broken=True`` when it
@@ -250,14 +256,18 @@ class WeightSyncSender:
         if self._pg is None:
             raise WeightSyncError("send() before init_group()")
         nbytes = num_buckets = num_tensors = 0
-        broadcast_s = 0.0
+        broadcast_s = prepare_s = 0.0
         try:
+            tp = time.perf_counter()
             buckets = wire_buckets(named_tensors, dtype=self.dtype, bucket_size_mib=self.bucket_size_mib)
             current = next(buckets, None)
+            prepare_s += time.perf_counter() - tp
             if current is None:
                 raise WeightSyncError("no tensors to send")
             while current is not None:
+                tp = time.perf_counter()
                 following = next(buckets, None)
+                prepare_s += time.perf_counter() - tp
                 flat, meta = current
                 posts = [
                     self._pool.submit(
@@ -290,6 +300,7 @@ class WeightSyncSender:
             "num_buckets": float(num_buckets),
             "num_tensors": float(num_tensors),
             "broadcast_time_s": broadcast_s,
+            "prepare_time_s": prepare_s,
         }
 
     def finish_update(self, weight_version: str) -> None:
@@ -331,7 +342,27 @@ class WeightSyncSender:
                 c.destroy_weights_update_group(self.group_name)
             except RolloutServerError as e:
                 logger.warning("destroy_weights_update_group on %s: %s", c.base_url, e)
-        destroy_custom_process_group(pg)
+        try:
+            destroy_custom_process_group(pg)
+        except Exception as e:  # noqa: BLE001 - a group whose peer died may not tear down cleanly
+            logger.warning("destroying the local side of weight-update group %r: %s", self.group_name, e)
+
+    def reinit(self, clients: list[RolloutClient]) -> None:
+        """Re-create the group over ``clients`` (after a server restart, a dropped server, or a
+        ``group_broken`` error): destroy the old one (best effort: a dead server cannot answer),
+        then ``init_group()``. The servers' dtype is read again.
+
+        Raises:
+            WeightSyncError: as ``init_group``.
+        """
+        if not clients:
+            raise WeightSyncError("no rollout server is up to sync to")
+        self.destroy()
+        self.clients = list(clients)
+        if self._pool._max_workers < len(self.clients) + 2:
+            self._pool.shutdown(wait=False)
+            self._pool = ThreadPoolExecutor(max_workers=len(self.clients) + 2, thread_name_prefix="weight-sync")
+        self.init_group()
 
     def close(self) -> None:
         """``destroy()`` and stop the worker threads."""
