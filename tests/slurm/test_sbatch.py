@@ -1,0 +1,196 @@
+"""The project's real sbatch scripts on a real one-node Slurm cluster (slurmctld + slurmd +
+munged started by scripts/setup_slurm.sh): the CI recipe end to end, a job requeued mid-run
+(`scontrol requeue`) resuming from its last checkpoint, the pre-emption signal path
+(`scancel --signal=USR1 --batch`: checkpoint, exit 75, self-requeue, resume), and misconfigured
+jobs failing in seconds before any step starts.
+
+Skipped (with the reason) only where Slurm cannot be installed: not root or no apt-get. `.ci/run`
+installs and starts it before pytest, so in CI these tests run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CI = "slurm/tiny-ci.sbatch"
+FAST = ["eval.before_train=false", "eval.after_train=false", "reward.num_workers=1"]
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE"}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A running one-node cluster: scripts/setup_slurm.sh start (installs slurm-wlm + munge if needed)."""
+    proc = subprocess.run(["bash", str(REPO / "scripts/setup_slurm.sh"), "start"], capture_output=True, text=True,
+                          timeout=600)
+    if proc.returncode == 3:
+        pytest.skip(f"Slurm cannot be installed here: {proc.stderr.strip().splitlines()[-1]}")
+    assert proc.returncode == 0, f"scripts/setup_slurm.sh start failed:\n{proc.stdout}\n{proc.stderr}"
+    assert shutil.which("sbatch") and shutil.which("scontrol")
+    yield
+    # leave the cluster running (the next test session reuses it in 0.1 s); cancel our leftovers
+    for job in _JOBS:
+        subprocess.run(["scancel", job], capture_output=True)
+
+
+_JOBS: list[str] = []
+
+
+def submit(tmp_path: Path, *overrides: str, env: dict | None = None, script: str = CI) -> tuple[str, Path]:
+    """sbatch the script from the repository root; returns (job id, batch output file)."""
+    out = tmp_path / "job-%j.out"
+    e = dict(os.environ)
+    e.pop("MEGATRON_RL_IFACE", None)
+    e.update(env or {})
+    proc = subprocess.run(["sbatch", "--parsable", f"--output={out}", script, *overrides], cwd=REPO, env=e,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    job = proc.stdout.strip().split(";")[0]
+    _JOBS.append(job)
+    return job, tmp_path / f"job-{job}.out"
+
+
+def job_info(job: str) -> dict:
+    """`scontrol show job -o` as a dict (JobState, ExitCode, Restarts, ...)."""
+    out = subprocess.run(["scontrol", "show", "job", "-o", job], capture_output=True, text=True).stdout
+    return dict(kv.split("=", 1) for kv in out.split() if "=" in kv)
+
+
+def wait_for(cond, timeout: float, what: str, out: Path | None = None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(1.0)
+    log = out.read_text() if out is not None and out.exists() else ""
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{log[-4000:]}")
+
+
+def wait_state(job: str, states: set[str], timeout: float, out: Path) -> dict:
+    return wait_for(lambda: (lambda i: i if i.get("JobState") in states else None)(job_info(job)),
+                    timeout, f"job {job} to reach {states}", out)
+
+
+def release(job: str, out: Path) -> None:
+    """A requeued job waits ~2 min (Slurm's BeginTime after a requeue); the test starts it now."""
+    wait_state(job, {"PENDING"}, 180, out)
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True, capture_output=True)
+
+
+def latest_ckpt(run: Path) -> int | None:
+    f = run / "checkpoints" / "latest_checkpointed_iteration.txt"
+    try:
+        return int(f.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def metric_steps(run: Path) -> list[int]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [r["step"] for r in rows if "train/acc" in r]
+
+
+def resumed_from(run: Path) -> list[int]:
+    return [int(m) for m in re.findall(r"resuming from step (\d+)", (run / "train.log").read_text())]
+
+
+def test_ci_recipe_through_sbatch(cluster, tmp_path):
+    """examples/tiny/ci.yaml through slurm/tiny-ci.sbatch: a rollout-server step and a
+    torchrun trainer step, wired by rollout.server_urls; the head address comes from the
+    interface resolver (MEGATRON_RL_IFACE=lo, B31); metrics of every step and the checkpoints."""
+    run = tmp_path / "run"
+    job, out = submit(tmp_path, f"run_dir={run}", "eval.max_problems=16", env={"MEGATRON_RL_IFACE": "lo"})
+    info = wait_state(job, ENDED, 600, out)
+    text = out.read_text()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text[-4000:]
+    assert metric_steps(run) == [1, 2, 3]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(0.0 <= r["train/acc"] <= 1.0 for r in rows if "train/acc" in r)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 3 and "eval_before" in summary and "eval_after" in summary
+    assert latest_ckpt(run) == 3 and (run / "checkpoints" / "iter_0000002").is_dir()  # save_interval 2 + last
+    jobdir = run / "slurm" / f"job-{job}"
+    node = job_info(job)["NodeList"]
+    assert (jobdir / "hosts").read_text().split() == [node, "127.0.0.1"]
+    args = (jobdir / "trainer.args").read_text().splitlines()
+    assert "rollout.server_urls=[http://127.0.0.1:30000]" in args
+    assert "weight_sync.master_address=127.0.0.1" in args
+    assert (jobdir / f"trainer-{node}.log").is_file() and (jobdir / f"rollout-{node}-0.log").is_file()
+    assert "trainer finished (latest checkpoint: 3" in text
+
+
+def test_requeue_mid_run_resumes_from_last_checkpoint(cluster, tmp_path):
+    """`scontrol requeue` while step 3+ runs (every process of the job gets SIGTERM, then SIGKILL
+    after KillWait): the requeued job resumes from the newest checkpoint on disk (the periodic
+    one of step 2 or a later one), not from step 0, and finishes all 6 steps."""
+    run = tmp_path / "run"
+    job, out = submit(tmp_path, f"run_dir={run}", "trainer.total_training_steps=6", "trainer.save_interval=2", *FAST)
+    wait_for(lambda: (latest_ckpt(run) or 0) >= 2, 600, "the periodic checkpoint of step 2", out)
+    subprocess.run(["scontrol", "requeue", job], check=True, capture_output=True)
+    release(job, out)
+    at_requeue = latest_ckpt(run)
+    assert at_requeue is not None and at_requeue >= 2
+    info = wait_state(job, ENDED, 600, out)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", out.read_text()[-4000:]
+    assert resumed_from(run) == [at_requeue]
+    # the second run trained only the steps after the checkpoint
+    log = (run / "train.log").read_text()
+    after = log[log.index(f"resuming from step {at_requeue}"):]
+    assert int(re.search(r"step (\d+): acc", after).group(1)) == at_requeue + 1
+    assert sorted(set(metric_steps(run))) == [1, 2, 3, 4, 5, 6]
+    assert latest_ckpt(run) == 6 and json.loads((run / "summary.json").read_text())["steps"] == 6
+    assert (run / "slurm" / f"job-{job}.r1").is_dir()
+
+
+def test_usr1_checkpoints_exits_and_self_requeues(cluster, tmp_path):
+    """The pre-emption path on its own: SIGUSR1 to the batch shell (what --signal=B:USR1@600 sends
+    before the time limit) -> forwarded to the trainer, which finishes its step, writes a
+    checkpoint (no periodic one: save_interval 100) and exits 75 -> the script requeues the job ->
+    the next run resumes from exactly that checkpoint."""
+    run = tmp_path / "run"
+    job, out = submit(tmp_path, f"run_dir={run}", "trainer.total_training_steps=4", "trainer.save_interval=100",
+                      *FAST)
+    wait_for(lambda: (run / "train.log").exists() and "step 1: acc" in (run / "train.log").read_text(), 600,
+             "step 1", out)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True, capture_output=True)
+    release(job, out)
+    text = out.read_text()
+    stopped = latest_ckpt(run)
+    assert stopped is not None and 1 <= stopped < 4, text[-4000:]
+    assert f"trainer stopped on SIGUSR1 after writing checkpoint {stopped}" in text
+    assert f"requeued job {job}" in text
+    info = wait_state(job, ENDED, 600, out)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", out.read_text()[-4000:]
+    assert resumed_from(run) == [stopped]
+    assert sorted(set(metric_steps(run))) == [1, 2, 3, 4] and latest_ckpt(run) == 4
+
+
+@pytest.mark.parametrize(
+    "env, overrides, message",
+    [
+        ({"TRAINER_NODES": "2"}, [], "TRAINER_NODES=2 + ROLLOUT_NODES=0 = 2 but the job has 1 node(s)"),
+        ({}, ["model.path=/nonexistent/model"], "model.path '/nonexistent/model' has no config.json"),
+        ({"MEGATRON_RL_IFACE": "ib0"}, [], "has no interface 'ib0'"),
+    ],
+)
+def test_misconfigured_job_fails_in_seconds(cluster, tmp_path, env, overrides, message):
+    """Node counts that do not add up, a missing model, an interface a node lacks: the job fails
+    within seconds with the setting named, and no rollout or trainer step was started."""
+    t0 = time.monotonic()
+    job, out = submit(tmp_path, f"run_dir={tmp_path / 'run'}", *overrides, env=env)
+    info = wait_state(job, ENDED, 120, out)
+    took = time.monotonic() - t0
+    text = out.read_text()
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "2:0", text
+    assert message in text
+    assert "rollout step started" not in text and "trainer step started" not in text
+    print(f"{job}: failed after {took:.1f} s: {message}")
