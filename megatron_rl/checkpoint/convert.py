@@ -22,8 +22,10 @@ itself writes and loads. Tensors then move one at a time:
   into HF tensors and collected into safetensors shards of at most `max_shard_bytes`.
 
 Peak memory: import holds one unit (for Qwen2.5-32B a layer is ~1 GB in bf16, the embedding
-1.6 GB) plus the HF tensors it is built from; export holds at most one output shard plus one
-unit. `benchmarks/convert_32b_2layer.py` measures it.
+1.6 GB) plus the HF tensors it is built from; export holds the pending output shard (flushed
+before a unit that would not fit is read) or one unit with torch.distributed.checkpoint's read
+buffers (about 3x the unit: file bytes, deserialised tensor, destination).
+`benchmarks/convert_32b_2layer.py` measures both.
 """
 
 from __future__ import annotations
@@ -198,6 +200,9 @@ def _streaming_strategy(make_chunk: Callable[[str, tuple, tuple, torch.dtype], t
             plan = planner.finish_plan(global_plans[0])
             writer = FileSystemWriter(str(checkpoint_dir), single_file_per_rank=True, thread_count=1, overwrite=True)
             writer.set_up_storage_writer(True)
+            progress.total = sum(torch.Size(it.tensor_data.chunk.sizes).numel() * it.tensor_data.properties.dtype.itemsize
+                                 for it in plan.items if it.type != WriteItemType.BYTE_IO)
+            progress.refresh()
             units: dict[str, list] = {"objects": []}  # bytes objects (tiny) share the first file
             for item in plan.items:
                 if item.type == WriteItemType.BYTE_IO:
@@ -305,6 +310,12 @@ class _ShardWriter:
         self.files: list[tuple[Path, list[str]]] = []
         self.total_bytes = 0
 
+    def reserve(self, nbytes: int) -> None:
+        """Flush now when `nbytes` more would not fit the current shard: called before a unit is
+        loaded, so that the pending shard and the unit's load buffers are never in memory together."""
+        if self.pending and self.pending_bytes + nbytes > self.max_bytes:
+            self.flush()
+
     def add(self, name: str, tensor: torch.Tensor) -> None:
         size = tensor.numel() * tensor.element_size()
         if self.pending and self.pending_bytes + size > self.max_bytes:
@@ -367,7 +378,8 @@ def _check_against_config(expected_sd: dict, saved: dict, ckpt: Path, vocab_size
 
 
 def _export_units(saved: dict, num_layers: int) -> list[tuple[str, list[tuple[str, Optional[int]]]]]:
-    """(unit, [(key, layer or None)]) in HF order: embedding, layers, head; model keys only."""
+    """(unit, [(key, layer or None)]) in HF order: embedding, layers, final norm, output layer;
+    model keys only."""
     from megatron_rl.models.hf_weights import LAYERS_PREFIX, sharded_key_to_hf
 
     def known(key: str) -> bool:
@@ -380,10 +392,10 @@ def _export_units(saved: dict, num_layers: int) -> list[tuple[str, list[tuple[st
     layer_keys = [k for k in saved if k.startswith(LAYERS_PREFIX) and known(k)]
     units = [("embedding", [("embedding.word_embeddings.weight", None)])]
     units += [(f"layer {i}", [(k, i) for k in layer_keys]) for i in range(num_layers)]
-    head = [("decoder.final_layernorm.weight", None)]
+    units.append(("final norm", [("decoder.final_layernorm.weight", None)]))
     if "output_layer.weight" in saved:
-        head.append(("output_layer.weight", None))
-    return units + [("head", head)]
+        units.append(("output layer", [("output_layer.weight", None)]))
+    return units
 
 
 def export_to_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, hf_config_dir: Optional[str] = None,
@@ -443,6 +455,7 @@ def export_to_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, h
                     local = torch.empty((1, *meta.global_shape[1:]), dtype=meta.dtype)
                     request[key] = ShardedTensor.from_rank_offsets(key, local, (0, layer, meta.global_shape[0]))
             # a partial load (one unit): the whole-checkpoint access check does not apply
+            writer.reserve(sum(t.data.numel() for t in request.values()) * target.itemsize)
             loaded = dist_checkpointing.load(request, str(ckpt), validate_access_integrity=False)
             named = []
             for key, layer in keys:
