@@ -152,6 +152,13 @@ def _unit_of(key: str, offsets) -> str:
     return "embedding" if key.startswith("embedding.") else "head"
 
 
+def _unit_order(unit: str) -> tuple[int, int]:
+    """Sort key of the units in HF order: embedding, layers, head."""
+    if unit in ("embedding", "head"):
+        return (0 if unit == "embedding" else 2, 0)
+    return (1, int(unit.split()[1]))
+
+
 def _progress(total_bytes: int, desc: str, enabled: bool):
     from tqdm import tqdm
 
@@ -211,22 +218,12 @@ def _streaming_strategy(make_chunk: Callable[[str, tuple, tuple, torch.dtype], t
                     units.setdefault(_unit_of(item.index.fqn, item.index.offset), []).append(item)
             units["embedding"] = units.pop("objects") + units.pop("embedding", [])
             results = []
-            for i, items in enumerate(sorted(units.values(), key=lambda its: _unit_rank(its))):
+            for i, (_, items) in enumerate(sorted(units.items(), key=lambda kv: _unit_order(kv[0]))):
                 unit_plan = dataclasses.replace(plan, items=items, storage_data=_StoragePrefix(f"__{i}_"))
                 results.append(writer.write_data(unit_plan, planner).wait())
             writer.finish(metadata, results)
 
     return _StreamingSaveStrategy()
-
-
-def _unit_rank(items) -> tuple[int, int]:
-    tensor_items = [it for it in items if it.tensor_data is not None]
-    if not tensor_items:
-        return (0, 0)
-    unit = _unit_of(tensor_items[0].index.fqn, tensor_items[0].index.offset)
-    if unit == "embedding":
-        return (0, 0)
-    return (2, 0) if unit == "head" else (1, int(unit.split()[1]))
 
 
 def import_from_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: Optional[str] = None,

@@ -2,7 +2,10 @@
 
 Scenario ``train``: TP = WORLD_SIZE (1 or 2). Load a random tiny Qwen2 into GPTModel with the
 CPU compatibility layer, check the HF export round trip, logits / log-probs / entropy against
-HF, then one forward / backward / optimizer step. Prints ``RESULT {json}`` on success.
+HF, then one forward / backward / optimizer step. Scenario ``layouts``: TP x PP x DP training of a
+fixed batch (see ``scenario_layouts``). Scenario ``pp_logits``: PP = WORLD_SIZE logits, export and
+streamed-checkpoint loading per architecture (see ``scenario_pp_logits``). Prints ``RESULT {json}``
+on success.
 """
 
 from __future__ import annotations
@@ -207,10 +210,83 @@ def scenario_layouts() -> dict:
     return {"rank": g.rank, "tp": g.tp_size, "pp": g.pp_size, "dp": g.dp_size, "history": history}
 
 
+def scenario_pp_logits() -> dict:
+    """PP = WORLD_SIZE (2), TP = 1, for each case of $CASES ([[arch, tie, kv_heads, ckpt_dir], ...]):
+    load a random tiny HF model into this stage, compare the last stage's logits (megatron-core's
+    forward-only pipeline schedule) with HF's, check this stage's HF export, and load the streamed
+    dist checkpoint `ckpt_dir` (written by `import_from_hf` at TP=1, PP=1) into the stage: every
+    parameter must equal the HF-loaded one."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_rl.checkpoint.save import _model_sharded_state_dict
+    from megatron_rl.models.builder import build_model
+    from megatron_rl.models.hf_config import build_transformer_config
+    from megatron_rl.models.hf_weights import iter_hf_weights, load_hf_weights
+    from megatron_rl.parallel.groups import destroy_parallel, initialize_parallel
+    from megatron_rl.trainer.logprobs import forward_logits
+    from tiny_qwen2 import hf_state_dict, tiny_hf_config, tiny_hf_model
+
+    pp = int(os.environ["WORLD_SIZE"])
+    g = initialize_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=pp, backend="gloo",
+                            timeout_s=120, seed=1234)
+    assert (g.pp_size, g.tp_size, g.dp_size) == (pp, 1, 1) and dist.get_world_size(g.pp) == pp, g
+    out = {"rank": g.rank, "cases": []}
+    for arch, tie, kv_heads, ckpt_dir in json.loads(os.environ["CASES"]):
+        hf_config = tiny_hf_config(tie_word_embeddings=tie, model_type=arch, num_key_value_heads=kv_heads)
+        hf_model = tiny_hf_model(hf_config, seed=0)
+        hf_sd = hf_state_dict(hf_model, hf_config)
+        tf_config = build_transformer_config(hf_config, pipeline_model_parallel_size=pp)
+        model = build_model(hf_config, tf_config, pre_process=g.is_pipeline_first_stage,
+                            post_process=g.is_pipeline_last_stage)
+        assert len(model.decoder.layers) == hf_config["num_hidden_layers"] // pp
+        load_hf_weights(model, hf_sd)
+        exported = dict(iter_hf_weights(model, hf_config))
+        for name, tensor in exported.items():
+            assert torch.equal(tensor, hf_sd[name]), (arch, name)
+
+        input_ids = torch.randint(1, hf_config["vocab_size"], (2, 11), generator=torch.Generator().manual_seed(3))
+
+        def forward_step(data_iterator, m):
+            logits = forward_logits(m, next(data_iterator))
+
+            def loss_func(output):
+                return torch.zeros(()), torch.tensor(0, dtype=torch.int), {"logits": output}
+
+            return logits, loss_func
+
+        model.eval()
+        with torch.no_grad():
+            collected = get_forward_backward_func()(
+                forward_step_func=forward_step, data_iterator=iter([input_ids]), model=[model], num_microbatches=1,
+                seq_length=input_ids.shape[1], micro_batch_size=input_ids.shape[0], forward_only=True)
+            logit_err = None
+            if g.is_pipeline_last_stage:
+                logits = collected[0]["logits"][..., : hf_config["vocab_size"]]  # [B, S, V] (padding cut)
+                logit_err = float((logits - hf_model(input_ids=input_ids).logits).abs().max())
+                assert logit_err < 1e-4, (arch, tie, kv_heads, logit_err)
+
+        # the streamed (layout-independent) checkpoint loads into this pipeline stage
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        loaded = dist_checkpointing.load(_model_sharded_state_dict([model]), ckpt_dir)
+        model.load_state_dict(loaded["model"], strict=True)
+        for n, p in model.named_parameters():
+            assert torch.equal(p, params[n]), (arch, n)
+        out["cases"].append({"arch": arch, "tie": tie, "kv_heads": kv_heads, "logit_err": logit_err,
+                             "exported": sorted(exported), "hf_names": sorted(hf_sd)})
+    destroy_parallel()
+    return out
+
+
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format=f"[rank {os.environ.get('RANK')}] %(name)s: %(message)s")
     scenario = sys.argv[1]
-    result = {"train": scenario_train, "layouts": scenario_layouts}[scenario]()
+    result = {"train": scenario_train, "layouts": scenario_layouts, "pp_logits": scenario_pp_logits}[scenario]()
     print("RESULT " + json.dumps(result), flush=True)
 
 

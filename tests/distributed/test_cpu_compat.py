@@ -1,4 +1,4 @@
-"""megatron-core on CPU/gloo through the compatibility layer: TP=1 (1 rank) and TP=2 (2 ranks).
+"""megatron-core on CPU/gloo through the compatibility layer: TP=1 (1 rank), TP=2 and PP=2 (2 ranks).
 
 Each rank (``rank_worker.py train``) asserts its group sizes, loads a random tiny Qwen2,
 checks the HF export round trip (TP gather), logits / log-probs / entropy against HF, and runs
@@ -6,6 +6,8 @@ forward, backward and one optimizer step (loss finite, every parameter changes).
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -30,6 +32,35 @@ def test_tiny_gpt_train_step_on_gloo(world_size, tie, arch, kv_heads):
     assert len(losses) == 1, losses  # TP ranks compute the same (replicated) loss
     for result in results:
         assert result["logit_err"] < 1e-4 and result["logp_err"] < 1e-4 and result["entropy_err"] < 1e-4
+
+
+PP2_CASES = [("qwen2", True, 2), ("qwen2", False, 1), ("qwen3", False, 2), ("llama", True, 4)]
+
+
+def test_pp2_logits_export_and_streamed_checkpoint(tmp_path):
+    """PP=2 (2 ranks, one launch for all cases): logits of megatron-core's pipeline schedule == HF's
+    (< 1e-4, fp32) for qwen2 tied / untied, qwen3 and llama at GQA ratios 2, 4 (MQA) and 1; each
+    stage exports exactly its own HF tensors (bit-identical; together the whole checkpoint); the
+    layout-independent checkpoint streamed by `import_from_hf` (TP=1, PP=1) loads into each stage."""
+    from megatron_rl.checkpoint.convert import import_from_hf
+    from tiny_qwen2 import tiny_hf_config, tiny_hf_model
+
+    cases = []
+    for arch, tie, kv_heads in PP2_CASES:
+        hf_dir = tmp_path / f"{arch}-{tie}-{kv_heads}"
+        tiny_hf_model(tiny_hf_config(tie_word_embeddings=tie, model_type=arch, num_key_value_heads=kv_heads),
+                      seed=0).save_pretrained(hf_dir)
+        import_from_hf(hf_dir, hf_dir / "mcore")
+        cases.append([arch, tie, kv_heads, str(hf_dir / "mcore")])
+    results = run_ranks("pp_logits", 2, timeout_s=240, extra_env={"CASES": json.dumps(cases)})
+    by_rank = {r["rank"]: r["cases"] for r in results}
+    assert sorted(by_rank) == [0, 1]
+    for i, (arch, tie, kv_heads) in enumerate(PP2_CASES):
+        first, last = by_rank[0][i], by_rank[1][i]
+        assert first["logit_err"] is None and last["logit_err"] < 1e-4, (arch, tie, kv_heads)
+        exported = first["exported"] + last["exported"]
+        assert sorted(exported) == first["hf_names"] and len(set(exported)) == len(exported), (arch, tie)
+        assert "model.embed_tokens.weight" in first["exported"] and "model.norm.weight" in last["exported"]
 
 
 def test_compat_is_inactive_when_cuda_is_available(monkeypatch):
