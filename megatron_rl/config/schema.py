@@ -371,6 +371,9 @@ class WeightSyncConfig:
     master_port: Optional[int] = None
     """TCPStore port of the weight-sync group; None = a free port."""
     timeout_s: float = 600.0
+    check_checksums: bool = False
+    """After every sync, compare a SHA-256 per tensor of each server's weights (`/get_weights_by_name`)
+    with the trainer's; a mismatch fails the sync. Costs a full read-back of the weights over HTTP."""
 
     def __post_init__(self) -> None:
         _positive("weight_sync", "bucket_size_mib", self.bucket_size_mib)
@@ -410,7 +413,17 @@ class TrainerConfig:
     fp8_recipe: str = "delayed"
     """delayed | tensorwise | blockwise | mxfp8."""
     fp8_amax_history_len: int = 1024
+    """Amax window (steps) of the delayed-scaling recipe (Megatron's --fp8-amax-history-len)."""
+    fp8_amax_compute_algo: str = "max"
+    """max | most_recent: how the delayed recipe reduces the amax history."""
     fp8_margin: int = 0
+    """Exponent margin of the FP8 scaling factor (Megatron's --fp8-margin)."""
+    fp8_param_gather: bool = False
+    """FP8 weight copies for the distributed optimizer's all-gather (Megatron's --fp8-param-gather)."""
+    transformer_impl: str = "auto"
+    """auto | transformer_engine | local (Megatron's --transformer-impl): the layer spec. auto = TE's
+    fused layernorm-linear and TE attention when Transformer Engine imports and CUDA is present,
+    megatron-core's local spec otherwise (CPU). FP8 and sequence parallelism need TE."""
     recompute: Optional[str] = None
     """None | selective | full activation recompute."""
     distributed_backend: str = "gloo"
@@ -435,6 +448,18 @@ class TrainerConfig:
             raise ValueError(f"trainer.distributed_timeout_s: {self.distributed_timeout_s!r} must be >= 1 (seconds)")
         _choice("trainer", "fp8", self.fp8, (None, "hybrid", "e4m3"))
         _choice("trainer", "fp8_recipe", self.fp8_recipe, ("delayed", "tensorwise", "blockwise", "mxfp8"))
+        _choice("trainer", "fp8_amax_compute_algo", self.fp8_amax_compute_algo, ("max", "most_recent"))
+        _positive("trainer", "fp8_amax_history_len", self.fp8_amax_history_len)
+        _positive("trainer", "fp8_margin", self.fp8_margin, allow_zero=True)
+        _choice("trainer", "transformer_impl", self.transformer_impl, ("auto", "transformer_engine", "local"))
+        if self.fp8 is not None and self.transformer_impl == "local":
+            raise ValueError("trainer.fp8 needs trainer.transformer_impl: transformer_engine (or auto): "
+                             "megatron-core's local layers have no FP8 GEMMs")
+        if self.sequence_parallel and self.transformer_impl == "local":
+            raise ValueError("trainer.sequence_parallel needs trainer.transformer_impl: transformer_engine (or "
+                             "auto): megatron-core's local spec has no sequence-parallel norms")
+        if self.fp8_param_gather and (self.fp8 is None or not self.use_distributed_optimizer):
+            raise ValueError("trainer.fp8_param_gather needs trainer.fp8 and trainer.use_distributed_optimizer")
         _choice("trainer", "recompute", self.recompute, (None, "selective", "full"))
         _choice("trainer", "distributed_backend", self.distributed_backend, ("gloo", "nccl"))
         if self.fp8 is not None and self.precision != "bf16":

@@ -858,6 +858,8 @@ class ServerState:
     args: argparse.Namespace
     groups: dict[str, Any] = field(default_factory=dict)
     session_open: bool = False
+    recv_buffer: torch.Tensor | None = None
+    """Receive buffer of flattened buckets, grown to the largest bucket seen."""
     lock: _ModelUpdateLock = field(default_factory=_ModelUpdateLock)
     control_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(4, thread_name_prefix="control")
@@ -1288,7 +1290,12 @@ def build_app(state: ServerState):
 
             if body.load_format == "flattened_bucket":
                 meta = BucketMeta(names=body.names, dtypes=body.dtypes, shapes=body.shapes)
-                flat = torch.empty(meta.nbytes, dtype=torch.uint8)  # (nbytes,)
+                # one receive buffer kept across buckets and syncs (load_weights copies out of it; update
+                # calls run one at a time under the write lock): no fresh pages to fault in per bucket
+                if state.recv_buffer is None or state.recv_buffer.numel() < meta.nbytes:
+                    state.recv_buffer = None
+                    state.recv_buffer = torch.empty(meta.nbytes, dtype=torch.uint8)
+                flat = state.recv_buffer[: meta.nbytes]  # (nbytes,)
                 dist.broadcast(flat, src=0, group=pg)
                 named = unflatten_bucket(flat, meta)
             else:

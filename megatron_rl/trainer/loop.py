@@ -177,7 +177,12 @@ class _Controller:
         when a previous attempt broke it. Raises `WeightSyncError`."""
         if not self.sender.initialized:
             self.sender.reinit(self.fleet.up_clients())
+        expected: dict = {}
+        if self.cfg.weight_sync.check_checksums:
+            named_tensors = self.sender.checksums(named_tensors, expected)
         metrics = self.sender.sync(named_tensors, weight_version=str(version))
+        if expected:
+            metrics.update(self.sender.check_checksums(expected))
         metrics["rollout/server_restarts"] = self.fleet.restarts
         metrics["rollout/servers_up"] = len(self.fleet.up_clients())
         return metrics

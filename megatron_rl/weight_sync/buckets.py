@@ -173,10 +173,14 @@ def flatten_bucket(bucket: Sequence[tuple[str, torch.Tensor]]) -> tuple[torch.Te
         shapes=[list(t.shape) for _, t in bucket],
     )
     offsets, total = flattened_layout([t.dtype for _, t in bucket], meta.shapes)
-    flat = torch.zeros(total, dtype=torch.uint8, device=devices.pop())  # (nbytes,)
+    flat = torch.empty(total, dtype=torch.uint8, device=devices.pop())  # (nbytes,)
+    end = 0
     for (_, t), off in zip(bucket, offsets):
+        if off > end:
+            flat[end:off].zero_()  # alignment padding: deterministic bytes on the wire
         raw = t.detach().contiguous().reshape(-1).view(torch.uint8)
         flat[off : off + raw.numel()].copy_(raw)
+        end = off + raw.numel()
     return flat, meta
 
 
@@ -246,7 +250,7 @@ def wire_buckets(
     *,
     dtype: torch.dtype | str | None,
     bucket_size_mib: float,
-) -> Iterator[tuple[torch.Tensor, BucketMeta]]:
+) -> Iterator[tuple[torch.Tensor, BucketMeta, bool]]:
     """The one path from trainer tensors to sync payloads: cast, bucket, flatten (case B26).
 
     Every sync path (the broadcast sender, the checksum check, benchmarks) goes through here,
@@ -259,7 +263,15 @@ def wire_buckets(
         bucket_size_mib: most bytes per bucket (``bucket_named_tensors``), sizes measured after the cast.
 
     Yields:
-        ``(flat, meta)``: ``flat`` ``[meta.nbytes] uint8`` and its ``BucketMeta``, in input order.
+        ``(flat, meta, is_last)``: ``flat`` ``[meta.nbytes] uint8``, its ``BucketMeta``, and whether
+        it is the last bucket, in input order. The next bucket's tensors are taken from
+        ``named_tensors`` (one bucket ahead) before a bucket is yielded, but only flattened when
+        the consumer asks for it, so a sender can flatten bucket k+1 while bucket k is on the wire.
     """
-    for bucket in bucket_named_tensors(cast_named_tensors(named_tensors, dtype), bucket_size_mib):
-        yield flatten_bucket(bucket)
+    buckets = bucket_named_tensors(cast_named_tensors(named_tensors, dtype), bucket_size_mib)
+    current = next(buckets, None)
+    while current is not None:
+        following = next(buckets, None)
+        flat, meta = flatten_bucket(current)
+        yield flat, meta, following is None
+        current = following

@@ -14,9 +14,11 @@ polls its HTTP answers while the broadcast is pending and raises ``WeightSyncErr
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 
@@ -31,6 +33,11 @@ from megatron_rl.weight_sync.group import destroy_custom_process_group, init_cus
 logger = logging.getLogger(__name__)
 
 __all__ = ["WeightSyncSender"]
+
+
+def _digest(tensor: torch.Tensor) -> str:
+    """SHA-256 of a tensor's values as contiguous float32 bytes."""
+    return hashlib.sha256(tensor.detach().to(torch.float32).contiguous().numpy().tobytes()).hexdigest()
 
 
 class WeightSyncSender:
@@ -138,8 +145,11 @@ class WeightSyncSender:
         self._pg = join.result()
         logger.info("weight-update group %r ready: world size %d, port %d", self.group_name, world_size, port)
 
-    def _wait_all(self, posts: list[Future], pending: Future | object, what: str, group_op: bool) -> None:
-        """Wait for the local side (``pending``: a Future or a ``dist.Work``) and the HTTP posts; fail fast."""
+    def _wait_all(self, posts: list[Future], pending: Future | object, what: str, group_op: bool) -> float:
+        """Wait for the local side (``pending``: a Future or a ``dist.Work``) and the HTTP posts; fail fast.
+
+        Returns the ``time.perf_counter()`` at which the local side completed (the rest of the wait
+        is the servers loading what they received)."""
         deadline = time.monotonic() + self.timeout_s + 60
         is_done = pending.done if isinstance(pending, Future) else pending.is_completed
         while not is_done():
@@ -160,6 +170,7 @@ class WeightSyncSender:
             ) from pending.exception()
         if not isinstance(pending, Future):
             pending.wait(timeout=timedelta(seconds=self.timeout_s))
+        done_at = time.perf_counter()
         errors = []
         for f in posts:
             try:
@@ -168,6 +179,7 @@ class WeightSyncSender:
                 errors.append(e)
         if errors:
             raise WeightSyncError(f"{what} failed on {len(errors)} server(s): {errors[0]}") from errors[0]
+        return done_at
 
     def sync(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str) -> dict[str, float]:
         """Push ``named_tensors`` (HF names, full unsharded tensors) and label them ``weight_version``.
@@ -182,7 +194,10 @@ class WeightSyncSender:
             ``weight_sync/bytes`` (payload bytes broadcast), ``weight_sync/gbps`` (gigabits per second
             over the whole sync, 1e9 bits), ``weight_sync/gb_per_s`` (1e9 bytes per second, whole sync),
             ``weight_sync/bucket_prepare_time_s`` (producing the tensors: gathers, renames, cast and
-            flattening), ``weight_sync/num_buckets``, ``weight_sync/num_tensors``.
+            flattening), ``weight_sync/load_time_s`` (servers unflattening and loading after each
+            broadcast), ``weight_sync/control_time_s`` (the HTTP calls around the buckets: pause,
+            begin, end, flush, version check, continue), ``weight_sync/num_buckets``,
+            ``weight_sync/num_tensors``.
 
         Raises:
             WeightSyncError: any step failed; the servers stay paused and may hold partly updated
@@ -192,11 +207,13 @@ class WeightSyncSender:
         weight_version = str(weight_version)
         t0 = time.perf_counter()
         self.begin_update()
+        t1 = time.perf_counter()
         try:
             stats = self.send(named_tensors, weight_version=weight_version)
         except BaseException:
             self._close_session_after_error()
             raise
+        t2 = time.perf_counter()
         self.finish_update(weight_version)
         elapsed = time.perf_counter() - t0
         metrics = {
@@ -206,6 +223,8 @@ class WeightSyncSender:
             "weight_sync/gbps": stats["bytes"] * 8 / 1e9 / elapsed if elapsed > 0 else 0.0,
             "weight_sync/gb_per_s": stats["bytes"] / 1e9 / elapsed if elapsed > 0 else 0.0,
             "weight_sync/bucket_prepare_time_s": stats["prepare_time_s"],
+            "weight_sync/load_time_s": stats["load_time_s"],
+            "weight_sync/control_time_s": elapsed - (t2 - t1),
             "weight_sync/num_buckets": stats["num_buckets"],
             "weight_sync/num_tensors": stats["num_tensors"],
         }
@@ -245,9 +264,10 @@ class WeightSyncSender:
         rank 0. ``weight_version``, when given, rides on the last bucket.
 
         Returns:
-            ``bytes``, ``num_buckets``, ``num_tensors``, ``broadcast_time_s`` (posting the bucket's
-            HTTP calls, the broadcast and the servers' loads, which overlap), ``prepare_time_s``
-            (producing the buckets) (floats).
+            ``bytes``, ``num_buckets``, ``num_tensors``, ``broadcast_time_s`` (from posting a
+            bucket's HTTP calls to the end of its broadcast), ``load_time_s`` (from there to the
+            servers' answers: unflattening and loading), ``prepare_time_s`` (producing the buckets:
+            gathers, renames, cast, flattening), all summed over buckets (floats).
 
         Raises:
             WeightSyncError: no tensors, a server refused a bucket (``group_broken=True`` when it
@@ -256,7 +276,7 @@ class WeightSyncSender:
         if self._pg is None:
             raise WeightSyncError("send() before init_group()")
         nbytes = num_buckets = num_tensors = 0
-        broadcast_s = prepare_s = 0.0
+        broadcast_s = prepare_s = load_s = 0.0
         try:
             tp = time.perf_counter()
             buckets = wire_buckets(named_tensors, dtype=self.dtype, bucket_size_mib=self.bucket_size_mib)
@@ -265,10 +285,7 @@ class WeightSyncSender:
             if current is None:
                 raise WeightSyncError("no tensors to send")
             while current is not None:
-                tp = time.perf_counter()
-                following = next(buckets, None)
-                prepare_s += time.perf_counter() - tp
-                flat, meta = current
+                flat, meta, is_last = current
                 posts = [
                     self._pool.submit(
                         c.update_weights_from_distributed,
@@ -277,7 +294,7 @@ class WeightSyncSender:
                         meta.shapes,
                         group_name=self.group_name,
                         flush_cache=False,
-                        weight_version=weight_version if following is None else None,
+                        weight_version=weight_version if is_last else None,
                         load_format="flattened_bucket",
                         timeout_s=self.timeout_s,
                     )
@@ -285,8 +302,13 @@ class WeightSyncSender:
                 ]
                 tb = time.perf_counter()
                 work = dist.broadcast(flat, src=0, group=self._pg, async_op=True)
-                self._wait_all(posts, work, f"bucket {num_buckets} ({len(meta.names)} tensors)", group_op=True)
-                broadcast_s += time.perf_counter() - tb
+                # the next bucket is gathered and flattened while this one is on the wire
+                tp = time.perf_counter()
+                following = None if is_last else next(buckets)
+                prepare_s += time.perf_counter() - tp
+                done_at = self._wait_all(posts, work, f"bucket {num_buckets} ({len(meta.names)} tensors)", group_op=True)
+                broadcast_s += done_at - tb
+                load_s += time.perf_counter() - done_at
                 nbytes += flat.numel()
                 num_buckets += 1
                 num_tensors += len(meta.names)
@@ -301,6 +323,7 @@ class WeightSyncSender:
             "num_tensors": float(num_tensors),
             "broadcast_time_s": broadcast_s,
             "prepare_time_s": prepare_s,
+            "load_time_s": load_s,
         }
 
     def finish_update(self, weight_version: str) -> None:
@@ -346,6 +369,52 @@ class WeightSyncSender:
             destroy_custom_process_group(pg)
         except Exception as e:  # noqa: BLE001 - a group whose peer died may not tear down cleanly
             logger.warning("destroying the local side of weight-update group %r: %s", self.group_name, e)
+
+    def checksums(self, named_tensors: Iterable[tuple[str, torch.Tensor]], into: dict) -> Iterator[tuple[str, torch.Tensor]]:
+        """Pass ``named_tensors`` through unchanged while recording, in ``into``, each floating
+        tensor's checksum after the sync's cast (``name -> (sha256, shape)``). Wrap the tensors of
+        a ``sync`` with it, then call ``check_checksums(into)``: one pass over the weights."""
+        for name, tensor in named_tensors:
+            if tensor.is_floating_point():
+                cast = tensor if self.dtype is None else tensor.to(self.dtype)
+                into[name] = (_digest(cast), list(tensor.shape))
+            yield name, tensor
+
+    def check_checksums(self, expected: dict) -> dict[str, float]:
+        """After a sync: compare a per-tensor checksum of what every server holds with the trainer's.
+
+        ``expected`` comes from ``checksums``. The server's values come from
+        ``/get_weights_by_name`` (every row); both sides hash the float32 bytes (SHA-256; exact,
+        since the endpoint returns every value as a float). A server that does not know an HF name
+        (SGLang keeps fused names such as ``qkv_proj``) counts it as unverifiable, not as a mismatch.
+
+        Returns:
+            ``weight_sync/checked_tensors``, ``weight_sync/unverifiable_tensors`` (summed over servers).
+
+        Raises:
+            WeightSyncError: a server's checksum differs (names the server and the tensors).
+        """
+        checked = unverifiable = 0
+        mismatched: dict[str, list[str]] = {}
+        for name, (want, shape) in expected.items():
+            rows = shape[0] if shape else 1
+            for c in self.clients:
+                try:
+                    values = c.get_weights_by_name(name, truncate_size=rows)
+                except RolloutServerError as e:
+                    if e.status_code == 400:
+                        unverifiable += 1
+                        continue
+                    raise WeightSyncError(f"checksum check: {c.base_url} failed on {name}: {e}") from e
+                got = torch.tensor(values, dtype=torch.float32)
+                if got.numel() != math.prod(shape) or _digest(got) != want:
+                    mismatched.setdefault(c.base_url, []).append(name)
+                checked += 1
+        if mismatched:
+            detail = "; ".join(f"{url}: {names[:5]}{'...' if len(names) > 5 else ''} ({len(names)} tensors)"
+                               for url, names in mismatched.items())
+            raise WeightSyncError(f"checksum check after the sync: servers hold other weights than the trainer: {detail}")
+        return {"weight_sync/checked_tensors": float(checked), "weight_sync/unverifiable_tensors": float(unverifiable)}
 
     def reinit(self, clients: list[RolloutClient]) -> None:
         """Re-create the group over ``clients`` (after a server restart, a dropped server, or a

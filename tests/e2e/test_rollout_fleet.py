@@ -28,6 +28,7 @@ from megatron_rl.data.dataset import PromptRow
 from megatron_rl.rollout.fleet import ServerFleet
 from megatron_rl.rollout.launcher import launch_servers
 from megatron_rl.rollout.manager import RolloutManager
+from megatron_rl.rollout.errors import WeightSyncError
 from megatron_rl.weight_sync.sender import WeightSyncSender
 from tests.e2e.random_qwen2 import EOS, save_random_qwen2
 
@@ -234,6 +235,19 @@ def test_killed_server_is_dropped_then_restarted_at_the_next_sync(model_dir, hf_
         swapped = _manager(ServerFleet(clients[::-1], None), 8)
         assert _greedy(swapped, 8, "v2s") == synced
         swapped.close()
+        # optional checksum check (weight_sync.check_checksums): equal after a sync, and a tensor
+        # the servers do not hold is named
+        expected: dict = {}
+        sender.sync(sender.checksums(iter(hf_model.state_dict().items()), expected), weight_version="3")
+        n = len(expected)
+        assert sender.check_checksums(expected) == {"weight_sync/checked_tensors": 2.0 * n,
+                                                    "weight_sync/unverifiable_tensors": 0.0}
+        with torch.no_grad():
+            hf_model.model.norm.weight[3] += 1.0
+        stale: dict = {}
+        list(sender.checksums(iter(hf_model.state_dict().items()), stale))  # not synced
+        with pytest.raises(WeightSyncError, match=r"model\.norm\.weight.*\(1 tensors\)"):
+            sender.check_checksums(stale)
     finally:
         sender.close()
         manager.close()

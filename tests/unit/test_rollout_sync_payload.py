@@ -121,7 +121,9 @@ def _sync(engine: FakeSGLangEngine, master, bucket_size_mib: float) -> list[list
     dtype = server_weight_dtype({"model_path": "x", "dtype": "bfloat16"})
     engine.begin()
     layout = []
-    for flat, meta in wire_buckets(iter(master), dtype=dtype, bucket_size_mib=bucket_size_mib):
+    buckets = list(wire_buckets(iter(master), dtype=dtype, bucket_size_mib=bucket_size_mib))
+    assert [last for _, _, last in buckets] == [False] * (len(buckets) - 1) + [True]
+    for flat, meta, _ in buckets:
         assert flat.dtype == torch.uint8 and flat.numel() == meta.nbytes
         assert set(meta.dtypes) == {"bfloat16"}
         engine.load_weights(unflatten_bucket(flat.clone(), meta), meta.dtypes)
@@ -158,8 +160,8 @@ def test_b26_payload_is_engine_dtype_and_bucket_size_invariant():
 
 def test_b26_cast_leaves_integer_buffers_and_rejects_unknown_dtype():
     named = [("w", torch.ones(4, dtype=torch.float32)), ("step", torch.tensor([7], dtype=torch.int64))]
-    (flat, meta), = wire_buckets(named, dtype=torch.bfloat16, bucket_size_mib=1)
-    assert meta.dtypes == ["bfloat16", "int64"]
+    (flat, meta, last), = wire_buckets(named, dtype=torch.bfloat16, bucket_size_mib=1)
+    assert meta.dtypes == ["bfloat16", "int64"] and last
     got = dict(unflatten_bucket(flat, meta))
     assert got["step"].tolist() == [7] and got["w"].dtype == torch.bfloat16
     assert server_weight_dtype({"dtype": None}) is None and server_weight_dtype({}) is None
