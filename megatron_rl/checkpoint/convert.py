@@ -36,6 +36,7 @@ import json
 import logging
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
@@ -451,9 +452,12 @@ def export_to_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, h
                 else:  # one layer of the stacked [num_layers, ...] tensor
                     local = torch.empty((1, *meta.global_shape[1:]), dtype=meta.dtype)
                     request[key] = ShardedTensor.from_rank_offsets(key, local, (0, layer, meta.global_shape[0]))
-            # a partial load (one unit): the whole-checkpoint access check does not apply
             writer.reserve(sum(t.data.numel() for t in request.values()) * target.itemsize)
-            loaded = dist_checkpointing.load(request, str(ckpt), validate_access_integrity=False)
+            with warnings.catch_warnings():  # torch DCP's notes on megatron-core's own calls, once per unit
+                warnings.filterwarnings("ignore", message="The argument order of load has been changed")
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                # a partial load (one unit): the whole-checkpoint access check does not apply
+                loaded = dist_checkpointing.load(request, str(ckpt), validate_access_integrity=False)
             named = []
             for key, layer in keys:
                 tensor = loaded.pop(key)

@@ -56,6 +56,19 @@ def scenario_train() -> dict:
     model = build_model(hf_config, tf_config)
     load_hf_weights(model, hf_sd, tp_rank=groups.tp_rank, tp_size=groups.tp_size)
     assert model.embedding.word_embeddings.weight.shape == (256 // world_size, 64)
+    if os.environ.get("CKPT"):  # the layout-independent checkpoint streamed by import_from_hf loads at this TP
+        from megatron.core import dist_checkpointing
+
+        from megatron_rl.checkpoint.save import _model_sharded_state_dict
+
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        loaded = dist_checkpointing.load(_model_sharded_state_dict([model]), os.environ["CKPT"])
+        model.load_state_dict(loaded["model"], strict=True)
+        for n, p in model.named_parameters():
+            assert torch.equal(p, params[n]), n
 
     # Export round trip: gathered over TP, bit-identical, HF order.
     exported = list(iter_hf_weights(model, hf_config, tp_group=groups.tp))

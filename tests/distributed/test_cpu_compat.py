@@ -22,11 +22,19 @@ from tiny_qwen2 import run_ranks
     ids=["ws1-tp1-qwen2-untied-gqa2", "ws2-tp2-qwen2-tied-gqa2", "ws2-tp2-qwen2-untied-gqa2",
          "ws1-tp1-qwen3-untied-mha", "ws2-tp2-qwen3-tied-gqa2", "ws1-tp1-llama-tied-mqa", "ws2-tp2-llama-untied-gqa2"],
 )
-def test_tiny_gpt_train_step_on_gloo(world_size, tie, arch, kv_heads):
+def test_tiny_gpt_train_step_on_gloo(world_size, tie, arch, kv_heads, tmp_path):
     """HF logits / log-probs / entropy == megatron's (< 1e-4, fp32), export bit-identical, one step,
-    for each supported architecture, tied and untied embeddings and GQA ratios 1, 2 and 4."""
-    results = run_ranks("train", world_size, timeout_s=120,
-                        extra_env={"TIE": "1" if tie else "0", "ARCH": arch, "KV_HEADS": str(kv_heads)})
+    for each supported architecture, tied and untied embeddings and GQA ratios 1, 2 and 4. At TP=2
+    the checkpoint streamed by `import_from_hf` (written at TP=1) loads into both TP ranks too."""
+    env = {"TIE": "1" if tie else "0", "ARCH": arch, "KV_HEADS": str(kv_heads)}
+    if world_size == 2:
+        from megatron_rl.checkpoint.convert import import_from_hf
+        from tiny_qwen2 import tiny_hf_config, tiny_hf_model
+
+        tiny_hf_model(tiny_hf_config(tie_word_embeddings=tie, model_type=arch, num_key_value_heads=kv_heads),
+                      seed=0).save_pretrained(tmp_path / "hf")
+        env["CKPT"] = str(import_from_hf(tmp_path / "hf", tmp_path / "mcore"))
+    results = run_ranks("train", world_size, timeout_s=120, extra_env=env)
     assert sorted(r["rank"] for r in results) == list(range(world_size))
     losses = {r["loss"] for r in results}
     assert len(losses) == 1, losses  # TP ranks compute the same (replicated) loss
