@@ -156,7 +156,8 @@ def flatten_bucket(bucket: Sequence[tuple[str, torch.Tensor]]) -> tuple[torch.Te
 
     Returns:
         ``(flat, meta)``: ``flat`` is ``[meta.nbytes] uint8`` on the tensors' device holding the
-        bytes of each tensor (contiguous, row-major) at the offsets of ``flattened_layout``;
+        bytes of each tensor (contiguous, row-major) at the offsets of ``flattened_layout`` (for a
+        bucket of one contiguous tensor, a uint8 view of that tensor: do not write to it);
         ``meta`` lists the names, dtype names and shapes in the same order.
 
     Raises:
@@ -173,6 +174,9 @@ def flatten_bucket(bucket: Sequence[tuple[str, torch.Tensor]]) -> tuple[torch.Te
         shapes=[list(t.shape) for _, t in bucket],
     )
     offsets, total = flattened_layout([t.dtype for _, t in bucket], meta.shapes)
+    if len(bucket) == 1 and bucket[0][1].is_contiguous():
+        # a bucket of one tensor (large tensors go alone) is its own bytes: a view, no copy
+        return bucket[0][1].detach().reshape(-1).view(torch.uint8), meta
     flat = torch.empty(total, dtype=torch.uint8, device=devices.pop())  # (nbytes,)
     end = 0
     for (_, t), off in zip(bucket, offsets):
