@@ -1,0 +1,179 @@
+"""The client's request bodies and the weight-sync group checked against SGLang's own code.
+
+Runs only where SGLang is installed in its own environment (it pins its own torch; about 11 GB):
+set ``MEGATRON_RL_SGLANG_PYTHON`` to that environment's python (e.g. ``/work/sglang-venv/bin/python``
+with ``pip install sglang==0.5.23``; SGLang imports on CPU). Otherwise the tests skip.
+
+1. Every body ``RolloutClient`` sends (captured with an ``httpx.MockTransport``) is validated by
+   SGLang's request classes from ``sglang.srt.managers.io_struct`` and, for ``/generate``, by its
+   sampling-params check, in SGLang's python.
+2. The trainer side of the weight-update group (``megatron_rl.weight_sync.group``, rank 0) and
+   SGLang's own ``init_custom_process_group`` (rank 1, in SGLang's python) form one gloo group and a
+   bucket broadcast from the trainer arrives intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+SGLANG_PYTHON = os.environ.get("MEGATRON_RL_SGLANG_PYTHON")
+pytestmark = pytest.mark.skipif(not SGLANG_PYTHON, reason="MEGATRON_RL_SGLANG_PYTHON (SGLang's python) not set")
+
+CHECK_BODIES = r'''
+import json, sys
+import pydantic
+from sglang.srt.managers import io_struct as io
+from sglang.srt.sampling.sampling_params import SamplingParams
+
+classes = {
+    "/init_weights_update_group": io.InitWeightsUpdateGroupReqInput,
+    "/destroy_weights_update_group": io.DestroyWeightsUpdateGroupReqInput,
+    "/update_weights_from_distributed": io.UpdateWeightsFromDistributedReqInput,
+    "/begin_weight_update": getattr(io, "BeginWeightUpdateReqInput", None),
+    "/end_weight_update": getattr(io, "EndWeightUpdateReqInput", None),
+    "/pause_generation": io.PauseGenerationReqInput,
+    "/continue_generation": io.ContinueGenerationReqInput,
+    "/abort_request": io.AbortReq,
+    "/update_weight_version": io.UpdateWeightVersionReqInput,
+    "/get_weights_by_name": io.GetWeightsByNameReqInput,
+    "/generate": io.GenerateReqInput,
+}
+out = {}
+for path, body in json.load(sys.stdin):
+    cls = classes.get(path)
+    if cls is None:
+        out[path] = "no request class"
+        continue
+    try:
+        obj = pydantic.TypeAdapter(cls).validate_python(body)
+        fields = set(getattr(cls, "model_fields", None) or getattr(cls, "__dataclass_fields__", {}))
+        unknown = sorted(set(body) - fields)
+        if unknown:
+            raise ValueError(f"keys {unknown} are not fields of {cls.__name__}")
+        if path == "/generate":
+            sp = SamplingParams(**body["sampling_params"])
+            sp.verify(vocab_size=1000)
+        out[path] = "ok"
+    except Exception as e:
+        out[path] = f"{type(e).__name__}: {e}"
+print("RESULT " + json.dumps(out))
+'''
+
+JOIN_GROUP = r'''
+import sys, torch, torch.distributed as dist
+try:
+    from sglang.srt.utils import init_custom_process_group
+except ImportError:
+    from sglang.srt.utils.common import init_custom_process_group
+port, nbytes = int(sys.argv[1]), int(sys.argv[2])
+pg = init_custom_process_group(backend="gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=1,
+                               group_name="sglang_contract")
+buf = torch.empty(nbytes, dtype=torch.uint8)
+dist.broadcast(buf, src=0, group=pg)
+print("RESULT " + str(int(buf.to(torch.int64).sum())))
+'''
+
+
+def _captured_bodies() -> list[tuple[str, dict]]:
+    from megatron_rl.rollout.client import RolloutClient
+
+    seen: list[tuple[str, dict]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content or b"{}")
+        seen.append((request.url.path, body))
+        if request.url.path == "/generate":
+            return httpx.Response(200, json={"output_ids": [7], "meta_info": {
+                "id": body["rid"], "finish_reason": {"type": "length", "length": 1}, "prompt_tokens": 2,
+                "completion_tokens": 1, "output_token_logprobs": [[-0.1, 7, None]], "weight_version": "1"}})
+        if request.url.path == "/get_weights_by_name":
+            return httpx.Response(200, json=[0.0])
+        if request.url.path == "/abort_request":
+            return httpx.Response(200)
+        return httpx.Response(200, json={"success": True, "message": ""})
+
+    c = RolloutClient("http://sglang", transport=httpx.MockTransport(handler))
+    c.generate([1, 2], {"max_new_tokens": 4, "temperature": 1.0, "top_p": 0.9, "top_k": 5, "sampling_seed": 3,
+                        "stop_token_ids": [2]}, rid="s1-b0-p0-r0")
+    c.init_weights_update_group("127.0.0.1", 29500, 1, 2, "weight_update_group", "nccl")
+    c.begin_weight_update()
+    c.update_weights_from_distributed(["a.weight"], ["bfloat16"], [[2, 3]], flush_cache=False, weight_version="1",
+                                      load_format="flattened_bucket")
+    c.end_weight_update()
+    c.destroy_weights_update_group()
+    c.pause_generation("abort")
+    c.continue_generation()
+    c.abort_request("s1-b0-")
+    c.update_weight_version("2")
+    c.get_weights_by_name("model.norm.weight", truncate_size=4)
+    c.close()
+    return seen
+
+
+def test_client_bodies_pass_sglang_request_classes():
+    bodies = _captured_bodies()
+    assert len({p for p, _ in bodies}) == 11
+    proc = subprocess.run([SGLANG_PYTHON, "-c", CHECK_BODIES], input=json.dumps(bodies), capture_output=True,
+                          text=True, timeout=600)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(lines[-1][len("RESULT "):])
+    assert result == {p: "ok" for p, _ in bodies}, result
+
+
+def test_trainer_group_joins_sglang_init_custom_process_group():
+    import torch.distributed as dist
+
+    from megatron_rl.ports import find_free_port
+    from megatron_rl.weight_sync.group import destroy_custom_process_group, init_custom_process_group
+
+    port, nbytes = find_free_port(), 1 << 20
+    out: dict = {}
+
+    def run_sglang_side():
+        p = subprocess.run([SGLANG_PYTHON, "-c", JOIN_GROUP, str(port), str(nbytes)], capture_output=True, text=True,
+                           timeout=600)
+        out["proc"] = p
+
+    t = threading.Thread(target=run_sglang_side)
+    t.start()
+    pg = init_custom_process_group(backend="gloo", host="127.0.0.1", port=port, world_size=2, rank=0,
+                                   group_name="sglang_contract", timeout_s=300)
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    dist.broadcast(data, src=0, group=pg)
+    t.join(timeout=600)
+    destroy_custom_process_group(pg)
+    p = out["proc"]
+    lines = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+    assert p.returncode == 0 and lines, p.stdout[-3000:] + p.stderr[-3000:]
+    assert int(lines[-1].split()[1]) == int(data.to(torch.int64).sum())
+
+
+def test_sglang_launch_server_accepts_our_flags():
+    """The command line ``build_sglang_command`` writes parses with SGLang's own ServerArgs."""
+    from megatron_rl.rollout.launcher import build_sglang_command
+
+    cmd = build_sglang_command("/ckpt", python=SGLANG_PYTHON, host="127.0.0.1", port=30000, nccl_port=30001,
+                               tp_size=2, mem_fraction_static=0.7, random_seed=1, enable_deterministic_inference=True,
+                               dtype="bfloat16", weight_version="0", api_key="k", admin_api_key="a")
+    code = ("import argparse, json, sys\nfrom sglang.srt.server_args import ServerArgs\n"
+            "p = argparse.ArgumentParser(); ServerArgs.add_cli_args(p)\n"
+            "a = p.parse_args(sys.argv[1:])\n"
+            "print('RESULT ' + json.dumps({k: getattr(a, k) for k in ('model_path', 'port', 'nccl_port', 'tp_size', "
+            "'mem_fraction_static', 'skip_tokenizer_init', 'random_seed', 'enable_deterministic_inference', 'dtype', "
+            "'weight_version')}))")
+    p = subprocess.run([SGLANG_PYTHON, "-c", code, *cmd[3:]], capture_output=True, text=True, timeout=600)
+    lines = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+    assert p.returncode == 0 and lines, p.stdout[-3000:] + p.stderr[-3000:]
+    got = json.loads(lines[-1][len("RESULT "):])
+    assert got == {"model_path": "/ckpt", "port": 30000, "nccl_port": 30001, "tp_size": 2, "mem_fraction_static": 0.7,
+                   "skip_tokenizer_init": True, "random_seed": 1, "enable_deterministic_inference": True,
+                   "dtype": "bfloat16", "weight_version": "0"}
