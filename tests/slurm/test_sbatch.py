@@ -10,6 +10,7 @@ installs and starts it before pytest, so in CI these tests run.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -21,6 +22,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("jobtool", REPO / "slurm" / "jobtool.py")
+jobtool = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(jobtool)
 CI = "slurm/tiny-ci.sbatch"
 FAST = ["eval.before_train=false", "eval.after_train=false", "reward.num_workers=1"]
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "OUT_OF_MEMORY", "NODE_FAIL", "BOOT_FAIL", "DEADLINE"}
@@ -106,9 +110,15 @@ def resumed_from(run: Path) -> list[int]:
 def test_ci_recipe_through_sbatch(cluster, tmp_path):
     """examples/tiny/ci.yaml through slurm/tiny-ci.sbatch: a rollout-server step and a
     torchrun trainer step, wired by rollout.server_urls; the head address comes from the
-    interface resolver (MEGATRON_RL_IFACE=lo, B31); metrics of every step and the checkpoints."""
+    interface resolver (MEGATRON_RL_IFACE, B31); metrics of every step and the checkpoints; then
+    the conversion job on the result."""
     run = tmp_path / "run"
-    job, out = submit(tmp_path, f"run_dir={run}", "eval.max_problems=16", env={"MEGATRON_RL_IFACE": "lo"})
+    # a real non-loopback interface when there is one, so the address can only come from the
+    # resolver (Slurm's NodeAddr here is 127.0.0.1)
+    table = jobtool.interface_table()
+    iface = next((n for n, a in sorted(table.items()) if a and n != "lo" and not a[0].startswith("127.")), "lo")
+    ip = table[iface][0]
+    job, out = submit(tmp_path, f"run_dir={run}", "eval.max_problems=16", env={"MEGATRON_RL_IFACE": iface})
     info = wait_state(job, ENDED, 600, out)
     text = out.read_text()
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text[-4000:]
@@ -120,25 +130,49 @@ def test_ci_recipe_through_sbatch(cluster, tmp_path):
     assert latest_ckpt(run) == 3 and (run / "checkpoints" / "iter_0000002").is_dir()  # save_interval 2 + last
     jobdir = run / "slurm" / f"job-{job}"
     node = job_info(job)["NodeList"]
-    assert (jobdir / "hosts").read_text().split() == [node, "127.0.0.1"]
+    assert (jobdir / "hosts").read_text().split() == [node, ip]
     args = (jobdir / "trainer.args").read_text().splitlines()
-    assert "rollout.server_urls=[http://127.0.0.1:30000]" in args
-    assert "weight_sync.master_address=127.0.0.1" in args
+    # engine slot 0 takes the first free port of its block 30000-30015 (30000 unless busy)
+    urls = [a for a in args if a.startswith("rollout.server_urls=")]
+    port = int(re.fullmatch(rf"rollout.server_urls=\[http://{re.escape(ip)}:(\d+)\]", urls[0]).group(1))
+    assert 30000 <= port < 30016
+    assert f"weight_sync.master_address={ip}" in args
+    m = re.search(rf"\(head {node} {re.escape(ip)}, rendezvous port (\d+), weight-sync port (\d+)", text)
+    assert m and 29500 <= int(m.group(1)) < int(m.group(2)) < 29516
     assert (jobdir / f"trainer-{node}.log").is_file() and (jobdir / f"rollout-{node}-0.log").is_file()
     assert "trainer finished (latest checkpoint: 3" in text
+
+    # the conversion job on the run's latest checkpoint -> a Hugging Face folder
+    hf = tmp_path / "hf"
+    cjob, cout = submit(tmp_path, "to-hf", "--checkpoint", str(run), "--out", str(hf), script="slurm/convert.sbatch")
+    info = wait_state(cjob, ENDED, 300, cout)
+    assert info["JobState"] == "COMPLETED", cout.read_text()[-4000:]
+    base = json.loads((REPO / "examples/tiny/base_model/config.json").read_text())
+    assert json.loads((hf / "config.json").read_text())["hidden_size"] == base["hidden_size"]
+    from safetensors import safe_open
+
+    shapes = {}
+    for f in hf.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as st:
+            shapes.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
+    assert shapes["model.embed_tokens.weight"] == (base["vocab_size"], base["hidden_size"])
+    assert sum(k.endswith("self_attn.q_proj.weight") for k in shapes) == base["num_hidden_layers"]
+    bad, bout = submit(tmp_path, "to-nowhere", script="slurm/convert.sbatch")
+    assert wait_state(bad, ENDED, 60, bout)["ExitCode"] == "2:0"
+    assert "first argument: to-hf or to-megatron (got 'to-nowhere')" in bout.read_text()
 
 
 def test_requeue_mid_run_resumes_from_last_checkpoint(cluster, tmp_path):
     """`scontrol requeue` while step 3+ runs (every process of the job gets SIGTERM, then SIGKILL
     after KillWait): the requeued job resumes from the newest checkpoint on disk (the periodic
-    one of step 2 or a later one), not from step 0, and finishes all 6 steps."""
+    one of step 2 or a later one), not from step 0, and finishes all 4 steps."""
     run = tmp_path / "run"
-    job, out = submit(tmp_path, f"run_dir={run}", "trainer.total_training_steps=6", "trainer.save_interval=2", *FAST)
+    job, out = submit(tmp_path, f"run_dir={run}", "trainer.total_training_steps=4", "trainer.save_interval=2", *FAST)
     wait_for(lambda: (latest_ckpt(run) or 0) >= 2, 600, "the periodic checkpoint of step 2", out)
     subprocess.run(["scontrol", "requeue", job], check=True, capture_output=True)
     release(job, out)
     at_requeue = latest_ckpt(run)
-    assert at_requeue is not None and at_requeue >= 2
+    assert at_requeue is not None and 2 <= at_requeue < 4
     info = wait_state(job, ENDED, 600, out)
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", out.read_text()[-4000:]
     assert resumed_from(run) == [at_requeue]
@@ -146,8 +180,8 @@ def test_requeue_mid_run_resumes_from_last_checkpoint(cluster, tmp_path):
     log = (run / "train.log").read_text()
     after = log[log.index(f"resuming from step {at_requeue}"):]
     assert int(re.search(r"step (\d+): acc", after).group(1)) == at_requeue + 1
-    assert sorted(set(metric_steps(run))) == [1, 2, 3, 4, 5, 6]
-    assert latest_ckpt(run) == 6 and json.loads((run / "summary.json").read_text())["steps"] == 6
+    assert sorted(set(metric_steps(run))) == [1, 2, 3, 4]
+    assert latest_ckpt(run) == 4 and json.loads((run / "summary.json").read_text())["steps"] == 4
     assert (run / "slurm" / f"job-{job}.r1").is_dir()
 
 
@@ -194,3 +228,25 @@ def test_misconfigured_job_fails_in_seconds(cluster, tmp_path, env, overrides, m
     assert message in text
     assert "rollout step started" not in text and "trainer step started" not in text
     print(f"{job}: failed after {took:.1f} s: {message}")
+
+
+def test_a_failing_step_stops_the_others(cluster, tmp_path):
+    """The rollout step is killed while the trainer runs (`scancel --signal=KILL JOB.STEP`): the
+    script stops the trainer step too, prints the engines' log tails and fails the job; no step of
+    the job is left running (its torchrun has exited)."""
+    run = tmp_path / "run"
+    job, out = submit(tmp_path, f"run_dir={run}", "trainer.total_training_steps=50", *FAST)
+    wait_for(lambda: "trainer step started" in (out.read_text() if out.exists() else ""), 300, "the trainer step", out)
+
+    # steps: 0 = the head's port check, 1 = rollout engines, 2 = trainer (both run `bash`)
+    step = f"{job}.1"
+    assert step in subprocess.run(["squeue", "-h", "-s", "-j", job, "-o", "%i"], capture_output=True,
+                                  text=True).stdout.split()
+    subprocess.run(["scancel", "--signal=KILL", step], check=True, capture_output=True)
+    info = wait_state(job, ENDED, 180, out)
+    text = out.read_text()
+    assert info["JobState"] == "FAILED" and info["ExitCode"] == "1:0", text[-4000:]
+    assert "error: the rollout step died while training" in text
+    assert "stopping the trainer step" in text
+    torchrun = int((run / "slurm" / f"job-{job}" / "torchrun.0.pid").read_text())
+    wait_for(lambda: not Path(f"/proc/{torchrun}").exists(), 30, f"the trainer's torchrun (pid {torchrun}) to exit", out)
