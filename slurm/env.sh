@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # slurm/env.sh - network and NCCL settings of every megatron-rl Slurm job, sourced by
 # slurm/train.sbatch before any step starts (and so inherited by every srun step: trainer ranks,
 # SGLang engines, the weight-sync group between them). Edit this one file per cluster; a value

@@ -25,7 +25,8 @@ mv "$JOB_DIR/urls/$(printf '%05d' "$SLURM_PROCID").tmp" "$JOB_DIR/urls/$(printf 
 if [ "$MEGATRON_RL_DEVICE" = gpu ]; then
   # engine `slot` owns GPUs [slot*TP, (slot+1)*TP) of its node
   first=$(( slot * ROLLOUT_TP_SIZE ))
-  export CUDA_VISIBLE_DEVICES=$(seq -s, "$first" $(( first + ROLLOUT_TP_SIZE - 1 )))
+  CUDA_VISIBLE_DEVICES=$(seq -s, "$first" $(( first + ROLLOUT_TP_SIZE - 1 )))
+  export CUDA_VISIBLE_DEVICES
   # shellcheck disable=SC2086  # SGLANG_EXTRA_ARGS is a list of flags
   exec "$PYTHON" -m sglang.launch_server --model-path "$MODEL_PATH" --tp-size "$ROLLOUT_TP_SIZE" \
     --host "$ip" --port "$port" --nccl-port "$nccl_port" --dist-init-addr "$ip:$dist_port" \

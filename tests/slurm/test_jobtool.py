@@ -117,3 +117,46 @@ def test_32b_layouts_pass_the_layout_checks(tmp_path):
     data.write_text("")
     out = _check(overrides=[f"model.path={model}", f"data.train_files=[{data}]", f"data.val_files=[{data}]"])
     assert out["trainer_world"] == 32 and out["dp"] == 2 and out["engines"] == 8 and out["engines_per_node"] == 2
+
+
+def test_engine_script_gpu_branch_flags_and_gpus(tmp_path):
+    """slurm/lib/engine.sh in GPU mode, two engines of TP 4 on one node (B31: unique ports per
+    engine). SGLang cannot run here, so a fake `sglang.launch_server` module (it only records its
+    argv and CUDA_VISIBLE_DEVICES) stands in for it; everything else is the real script."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    fake = tmp_path / "fake" / "sglang"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    (fake / "launch_server.py").write_text(
+        "import json, os, sys\n"
+        "json.dump({'argv': sys.argv[1:], 'gpus': os.environ['CUDA_VISIBLE_DEVICES']},"
+        " open(os.environ['FAKE_OUT'], 'w'))\n"
+    )
+    job = tmp_path / "job"
+    (job / "urls").mkdir(parents=True)
+    (job / "hosts").write_text("gpu-node-1 127.0.0.1\n")  # ports are checked by binding this address
+    base = 30000 + 16 * 8 * (os.getpid() % 100)  # away from other tests' ports
+    got = []
+    for slot in (0, 1):
+        env = dict(os.environ, SLURMD_NODENAME="gpu-node-1", SLURM_LOCALID=str(slot), SLURM_PROCID=str(4 + slot),
+                   JOB_DIR=str(job), PYTHON=sys.executable, REPO=str(REPO), MEGATRON_RL_DEVICE="gpu",
+                   MODEL_PATH="/ckpt/Qwen2.5-32B", ROLLOUT_BASE_PORT=str(base), ROLLOUT_TP_SIZE="4",
+                   ROLLOUT_MEM_FRACTION="0.85", ROLLOUT_SEED="7", SGLANG_EXTRA_ARGS="--enable-metrics",
+                   FAKE_OUT=str(tmp_path / f"engine{slot}.json"),
+                   PYTHONPATH=os.pathsep.join([str(tmp_path / "fake"), os.environ.get("PYTHONPATH", "")]))
+        proc = subprocess.run(["bash", str(REPO / "slurm/lib/engine.sh")], env=env, capture_output=True, text=True,
+                              timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        got.append(json.loads((tmp_path / f"engine{slot}.json").read_text()))
+    assert got[0]["gpus"] == "0,1,2,3" and got[1]["gpus"] == "4,5,6,7"
+    for slot, g in enumerate(got):
+        p = base + 16 * slot
+        assert g["argv"] == ["--model-path", "/ckpt/Qwen2.5-32B", "--tp-size", "4", "--host", "127.0.0.1",
+                             "--port", str(p), "--nccl-port", str(p + 1), "--dist-init-addr", f"127.0.0.1:{p + 2}",
+                             "--mem-fraction-static", "0.85", "--random-seed", "7", "--enable-metrics"]
+    assert (job / "urls" / "00004").read_text().strip() == f"http://127.0.0.1:{base}"
+    assert (job / "urls" / "00005").read_text().strip() == f"http://127.0.0.1:{base + 16}"
