@@ -108,8 +108,8 @@ def resumed_from(run: Path) -> list[int]:
 
 
 def test_ci_recipe_through_sbatch(cluster, tmp_path):
-    """examples/tiny/ci.yaml through slurm/tiny-ci.sbatch: a rollout-server step and a
-    torchrun trainer step, wired by rollout.server_urls; the head address comes from the
+    """examples/tiny/ci.yaml through slurm/tiny-ci.sbatch: a rollout step of two embedded servers
+    on the node and a torchrun trainer step, wired by rollout.server_urls; the head address comes from the
     interface resolver (MEGATRON_RL_IFACE, B31); metrics of every step and the checkpoints; then
     the conversion job on the result."""
     run = tmp_path / "run"
@@ -118,7 +118,8 @@ def test_ci_recipe_through_sbatch(cluster, tmp_path):
     table = jobtool.interface_table()
     iface = next((n for n, a in sorted(table.items()) if a and n != "lo" and not a[0].startswith("127.")), "lo")
     ip = table[iface][0]
-    job, out = submit(tmp_path, f"run_dir={run}", "eval.max_problems=16", env={"MEGATRON_RL_IFACE": iface})
+    job, out = submit(tmp_path, f"run_dir={run}", "eval.max_problems=16",
+                      env={"MEGATRON_RL_IFACE": iface, "ENGINES_PER_NODE": "2"})
     info = wait_state(job, ENDED, 600, out)
     text = out.read_text()
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text[-4000:]
@@ -132,14 +133,18 @@ def test_ci_recipe_through_sbatch(cluster, tmp_path):
     node = job_info(job)["NodeList"]
     assert (jobdir / "hosts").read_text().split() == [node, ip]
     args = (jobdir / "trainer.args").read_text().splitlines()
-    # engine slot 0 takes the first free port of its block 30000-30015 (30000 unless busy)
+    # two engines on the node (B31): slot i takes the first free ports of its block 30000 + 16 i
     urls = [a for a in args if a.startswith("rollout.server_urls=")]
-    port = int(re.fullmatch(rf"rollout.server_urls=\[http://{re.escape(ip)}:(\d+)\]", urls[0]).group(1))
-    assert 30000 <= port < 30016
+    m = re.fullmatch(rf"rollout.server_urls=\[http://{re.escape(ip)}:(\d+),http://{re.escape(ip)}:(\d+)\]", urls[0])
+    assert m and 30000 <= int(m.group(1)) < 30016 <= int(m.group(2)) < 30032, urls
     assert f"weight_sync.master_address={ip}" in args
     m = re.search(rf"\(head {node} {re.escape(ip)}, rendezvous port (\d+), weight-sync port (\d+)", text)
     assert m and 29500 <= int(m.group(1)) < int(m.group(2)) < 29516
-    assert (jobdir / f"trainer-{node}.log").is_file() and (jobdir / f"rollout-{node}-0.log").is_file()
+    assert (jobdir / f"trainer-{node}.log").is_file() and (jobdir / f"rollout-{node}-1.log").is_file()
+    engines = [re.search(r"nccl port (\d+), dist-init port (\d+)", (jobdir / f"rollout-{node}-{t}.log").read_text())
+               for t in (0, 1)]
+    ports = [int(m.group(i)) for m in engines for i in (1, 2)] + [int(m.group(1)), int(m.group(2))]
+    assert len(set(ports)) == 6, ports  # http, NCCL and dist-init ports of both engines all distinct
     assert "trainer finished (latest checkpoint: 3" in text
 
     # the conversion job on the run's latest checkpoint -> a Hugging Face folder
