@@ -46,24 +46,27 @@ classes = {
     "/get_weights_by_name": io.GetWeightsByNameReqInput,
     "/generate": io.GenerateReqInput,
 }
-out = {}
+out = []
 for path, body in json.load(sys.stdin):
     cls = classes.get(path)
     if cls is None:
-        out[path] = "no request class"
+        out.append("no request class")
         continue
     try:
+        # FastAPI validates the body with this pydantic schema (msgspec Structs bring their own)
         obj = pydantic.TypeAdapter(cls).validate_python(body)
-        fields = set(getattr(cls, "model_fields", None) or getattr(cls, "__dataclass_fields__", {}))
+        # SGLang ignores unknown top-level keys; a key it would ignore is a bug on our side
+        fields = set(getattr(cls, "__struct_fields__", None) or getattr(cls, "model_fields", None)
+                     or getattr(cls, "__dataclass_fields__", {}))
         unknown = sorted(set(body) - fields)
         if unknown:
             raise ValueError(f"keys {unknown} are not fields of {cls.__name__}")
         if path == "/generate":
             sp = SamplingParams(**body["sampling_params"])
             sp.verify(vocab_size=1000)
-        out[path] = "ok"
+        out.append("ok")
     except Exception as e:
-        out[path] = f"{type(e).__name__}: {e}"
+        out.append(f"{type(e).__name__}: {e}")
 print("RESULT " + json.dumps(out))
 '''
 
@@ -121,12 +124,16 @@ def _captured_bodies() -> list[tuple[str, dict]]:
 def test_client_bodies_pass_sglang_request_classes():
     bodies = _captured_bodies()
     assert len({p for p, _ in bodies}) == 11
-    proc = subprocess.run([SGLANG_PYTHON, "-c", CHECK_BODIES], input=json.dumps(bodies), capture_output=True,
+    # controls: the check must refuse what SGLang refuses
+    bad = [("/generate", {"input_ids": [1], "sampling_params": {"max_tokens": 4}}),
+           ("/init_weights_update_group", {"master_address": "h", "master_port": 1, "rank_offset": 1})]
+    proc = subprocess.run([SGLANG_PYTHON, "-c", CHECK_BODIES], input=json.dumps(bodies + bad), capture_output=True,
                           text=True, timeout=600)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(lines[-1][len("RESULT "):])
-    assert result == {p: "ok" for p, _ in bodies}, result
+    assert dict(zip([p for p, _ in bodies], result)) == {p: "ok" for p, _ in bodies}, result
+    assert "max_tokens" in result[-2] and "world_size" in result[-1], result[-2:]
 
 
 def test_trainer_group_joins_sglang_init_custom_process_group():
