@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.util
 import logging
 import os
 import typing
@@ -369,13 +370,23 @@ def environment_checks(cfg: Config) -> list[tuple[str, callable]]:
                 "trainer.sequence_parallel=false or install Transformer Engine"
             )
 
+    def transformer_impl() -> str | None:
+        if t.transformer_impl != "transformer_engine":
+            return f"not applicable: trainer.transformer_impl is {t.transformer_impl}"
+        from megatron_rl.models.builder import transformer_engine_usable
+
+        if not transformer_engine_usable():
+            raise RuntimeError(
+                "trainer.transformer_impl=transformer_engine needs Transformer Engine and a CUDA GPU; "
+                "use trainer.transformer_impl=auto (local layers without TE) or install Transformer Engine"
+            )
+
     def fp8() -> str | None:
         if t.fp8 is None:
             return "not applicable: trainer.fp8 is unset"
-        try:
-            import transformer_engine  # noqa: F401
-        except ImportError:
-            raise RuntimeError("trainer.fp8 is set but Transformer Engine is not installed (pip extra 'gpu')") from None
+        if importlib.util.find_spec("transformer_engine") is None:
+            raise RuntimeError("trainer.fp8 is set but Transformer Engine is not installed "
+                               "(pip install transformer-engine[pytorch]; FP8 GEMMs exist only in TE)")
         import torch
 
         if not torch.cuda.is_available():
@@ -422,6 +433,7 @@ def environment_checks(cfg: Config) -> list[tuple[str, callable]]:
         ("run_dir free of an earlier run's checkpoints when trainer.resume_mode is disable", run_dir_state),
         ("mini-batches split evenly over data-parallel ranks", data_parallel_split),
         ("data files exist", data_files),
+        ("Transformer Engine and CUDA for trainer.transformer_impl=transformer_engine", transformer_impl),
         ("Transformer Engine and a Hopper GPU for FP8", fp8),
         ("Transformer Engine for sequence parallelism", sequence_parallel),
         ("model.path holds a Hugging Face model", model_files),

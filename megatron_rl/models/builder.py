@@ -25,6 +25,42 @@ def transformer_engine_usable() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
 
 
+def use_te_for(transformer_impl: str) -> bool | None:
+    """``trainer.transformer_impl`` -> ``build_model``'s ``use_te``: auto -> None (TE when usable),
+    transformer_engine -> True, local -> False.
+
+    Raises:
+        ValueError: an unknown value.
+    """
+    choices = {"auto": None, "transformer_engine": True, "local": False}
+    if transformer_impl not in choices:
+        raise ValueError(f"trainer.transformer_impl must be one of {sorted(choices)}, got {transformer_impl!r}")
+    return choices[transformer_impl]
+
+
+def transformer_config_for(hf_config: Mapping[str, Any], trainer) -> Any:
+    """The one place a run's ``TransformerConfig`` is built: the HF architecture plus the
+    ``trainer`` section (a ``config.schema.TrainerConfig``): TP/PP/CP sizes, sequence
+    parallelism, precision (fp32 | bf16 params and compute), FP8 (format, recipe, amax history
+    length and reduction, margin, FP8 parameter all-gather) and activation recompute.
+
+    Raises:
+        ValueError: an unsupported HF config or an inconsistent trainer section (names the key).
+    """
+    from megatron_rl.models.hf_config import build_transformer_config
+
+    bf16 = trainer.precision == "bf16"
+    return build_transformer_config(
+        hf_config, tensor_model_parallel_size=trainer.tensor_model_parallel_size,
+        pipeline_model_parallel_size=trainer.pipeline_model_parallel_size,
+        context_parallel_size=trainer.context_parallel_size, sequence_parallel=trainer.sequence_parallel,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32, bf16=bf16,
+        fp8=trainer.fp8, fp8_recipe=trainer.fp8_recipe if trainer.fp8 else None,
+        fp8_amax_history_len=trainer.fp8_amax_history_len, fp8_amax_compute_algo=trainer.fp8_amax_compute_algo,
+        fp8_margin=trainer.fp8_margin, fp8_param_gather=trainer.fp8_param_gather, recompute=trainer.recompute,
+    )
+
+
 def build_layer_spec(hf_config: Mapping[str, Any], *, use_te: bool | None = None):
     """Layer spec (``ModuleSpec``) for the architecture: TE when usable (or forced), else local.
 

@@ -135,6 +135,10 @@ def build_transformer_config(
     fp16: bool = False,
     fp8: str | None = None,
     fp8_recipe: str | None = None,
+    fp8_amax_history_len: int = 1024,
+    fp8_amax_compute_algo: str = "max",
+    fp8_margin: int = 0,
+    fp8_param_gather: bool = False,
     recompute: str | None = None,
     deterministic_mode: bool = False,
     attention_dropout: float = 0.0,
@@ -155,8 +159,14 @@ def build_transformer_config(
         sequence_parallel: megatron sequence parallelism (needs TP > 1).
         params_dtype: dtype of the parameters.
         bf16, fp16: mixed-precision flags (at most one).
-        fp8: None, "e4m3" or "hybrid" (Transformer Engine only).
+        fp8: None, "e4m3" or "hybrid" (Transformer Engine only): the FP8 format of the GEMMs
+            (hybrid = E4M3 forward, E5M2 gradients), megatron-core's ``fp8`` field.
         fp8_recipe: megatron fp8 recipe name ("delayed", "tensorwise", "mxfp8", "blockwise").
+        fp8_amax_history_len, fp8_amax_compute_algo, fp8_margin: scaling of the "delayed"
+            recipe (amax window in steps, "max" | "most_recent", exponent margin); the DAPO-scale
+            NeMo/Megatron recipes use 1024 / "max" / 0. Ignored by the other recipes.
+        fp8_param_gather: keep FP8 copies of the weights for the all-gather (megatron's
+            ``fp8_param``; distributed optimizer only).
         recompute: None, "full" (uniform, every layer) or "selective" activation recomputation.
         deterministic_mode: megatron's deterministic mode.
         attention_dropout, hidden_dropout: dropout probabilities in [0, 1).
@@ -215,6 +225,17 @@ def build_transformer_config(
         )
     if sequence_parallel and tensor_model_parallel_size == 1:
         raise ValueError("sequence_parallel needs tensor_model_parallel_size > 1")
+    if fp8 not in (None, "e4m3", "hybrid"):
+        raise ValueError(f"fp8 must be None, 'e4m3' or 'hybrid', got {fp8!r}")
+    if fp8_recipe not in (None, "delayed", "tensorwise", "blockwise", "mxfp8"):
+        raise ValueError(f"fp8_recipe must be delayed | tensorwise | blockwise | mxfp8, got {fp8_recipe!r}")
+    if fp8 is not None and not (bf16 or fp16):
+        raise ValueError("fp8 needs bf16 (or fp16) mixed precision: FP8 GEMMs with higher-precision master compute")
+    if fp8_amax_compute_algo not in ("max", "most_recent"):
+        raise ValueError(f"fp8_amax_compute_algo must be 'max' or 'most_recent', got {fp8_amax_compute_algo!r}")
+    if fp8_amax_history_len < 1 or fp8_margin < 0:
+        raise ValueError(f"fp8_amax_history_len must be >= 1 and fp8_margin >= 0, got {fp8_amax_history_len}, "
+                         f"{fp8_margin}")
     _rope_theta(hf_config)  # validate here so a bad RoPE fails at config time
 
     recompute_kwargs: dict[str, Any] = {}
@@ -250,6 +271,10 @@ def build_transformer_config(
         fp16=fp16,
         fp8=fp8,
         fp8_recipe=fp8_recipe if fp8_recipe is not None else "delayed",
+        fp8_amax_history_len=fp8_amax_history_len,
+        fp8_amax_compute_algo=fp8_amax_compute_algo,
+        fp8_margin=fp8_margin,
+        fp8_param=fp8_param_gather,
         deterministic_mode=deterministic_mode,
         # The RL losses hand megatron a numerator and a count per micro-batch; megatron sums both
         # over micro-batches and DP ranks (ALGORITHMS.md section 6).

@@ -149,7 +149,7 @@ def test_data_parallel_split_is_a_clear_launch_error(monkeypatch):
     ("weight_sync.timeout_s=-1", "weight_sync.timeout_s: -1(.0)? must be > 0"),
     ("trainer.num_threads=-1", "trainer.num_threads: -1 must be >= 0"),
     ("trainer.distributed_timeout_s=0.5", "trainer.distributed_timeout_s: 0.5 must be >= 1"),
-    ("reward.reward_fn=nope", "reward.reward_fn: 'nope' is not registered; choose one of 'dapo_math', 'math_verify'"),
+    ("reward.reward_fn=nope", "reward.reward_fn: 'nope' is not registered; choose one of 'dapo_math', 'gsm8k', 'math_auto', 'math_boxed', 'math_verify'"),
     ("data.train_adapter=nope", "data.train_adapter: 'nope' is not a dataset adapter; choose one of"),
     ("run_dir=", "run_dir: must not be empty"),
     ("model.tokenizer_path=", "model.tokenizer_path: must not be empty"),
