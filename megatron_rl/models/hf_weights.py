@@ -329,13 +329,15 @@ def iter_hf_weights(
         tp_group: tensor-parallel group; None or a group of size 1 means no gather.
 
     Raises:
-        ValueError: unsupported HF config.
+        ValueError: unsupported HF config, or a parameter whose TP partitioning cannot be
+            established (see :func:`check_partitioning`), raised before anything is yielded.
     """
     spec = build_model_spec(hf_config)
     config = _unwrap(model).config
     num_groups = config.num_query_groups or config.num_attention_heads
     head_dim = config.kv_channels
     tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
+    check_partitioning(model, hf_config, tp_size)  # before the first tensor leaves (case B24)
 
     def gather(local: torch.Tensor, dim: int) -> list[torch.Tensor]:
         return [local] if tp_size == 1 else _all_gather(local, dim, tp_group)
@@ -382,6 +384,62 @@ _HF_LAYER_ORDER = (
     "input_layernorm.weight",
     "post_attention_layernorm.weight",
 )
+
+
+_NAME_PARTITION_DIM = {"qkv": 0, "fc1": 0, "vocab": 0, "vocab_tied_copy": 0, _ROW: 1, _REPLICATED: None}
+
+
+def check_partitioning(model, hf_config: Mapping[str, Any], tp_size: int) -> None:
+    """Fail fast, before any tensor is gathered or sent, unless every parameter of this stage has
+    a known TP partitioning consistent with the HF shapes (case B24, slime#2280).
+
+    The partition dim of each parameter comes from its stable megatron name (column-parallel
+    ``linear_qkv``/``linear_fc1``/vocabulary: dim 0; row-parallel ``linear_proj``/``linear_fc2``:
+    dim 1; norms replicated), not from megatron's ``tensor_model_parallel``/``partition_dim``
+    attributes, so a parameter that lost those attributes is still gathered correctly. Checked:
+    every parameter is mapped to HF names; where megatron's attributes are present they agree
+    with the name; the local shape times ``tp_size`` along that dim equals the full HF shape (the
+    vocabulary may be padded).
+
+    Raises:
+        ValueError: an unmapped parameter, contradicting metadata, or a local shape that is not a
+            1/tp_size shard of the HF tensor (names the parameter and both shapes).
+    """
+    expected = expected_hf_shapes(hf_config)
+    entries = _model_entries(model)
+    mapped = {id(param) for _, param, _, _ in entries}
+    for name, param in _unwrap(model).named_parameters():
+        if id(param) not in mapped:
+            raise ValueError(f"parameter {name} {tuple(param.shape)} has no HF mapping: refusing to export or sync "
+                             "a partial model")
+    for name, param, hf_names, kind in entries:
+        dim = _NAME_PARTITION_DIM[kind]
+        if tp_size > 1 and getattr(param, "tensor_model_parallel", None) is not None:
+            meta = getattr(param, "partition_dim", None) if param.tensor_model_parallel else None
+            if meta is not None and meta < 0:
+                meta = None
+            if meta != dim:
+                raise ValueError(f"parameter {name}: megatron marks its partition dim as {meta}, its name says {dim}")
+        shapes = [expected.get(h) for h in hf_names]
+        if kind == "vocab_tied_copy" or any(sh is None for sh in shapes):
+            continue  # tied copy (never exported) / names checked by expected_hf_shapes' config
+        if kind in ("qkv", "fc1"):
+            full = (sum(sh[0] for sh in shapes), *shapes[0][1:])
+        else:
+            full = shapes[0]
+        local = tuple(param.shape)
+        want = list(full)
+        if dim is not None and tp_size > 1:
+            want[dim] = full[dim] / tp_size
+        if kind == "vocab":
+            ok = len(local) == 2 and local[1] == full[1] and local[0] * tp_size >= full[0]
+        else:
+            ok = len(local) == len(want) and all(a == b for a, b in zip(local, want))
+        if not ok:
+            raise ValueError(
+                f"parameter {name}: local shape {local} is not a 1/{tp_size} shard (dim {dim}) of the HF tensor "
+                f"{'+'.join(hf_names)} {tuple(full)}: refusing to send it as a full tensor"
+            )
 
 
 def _unit_of(hf_name: str) -> str:

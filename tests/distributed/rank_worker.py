@@ -296,10 +296,70 @@ def scenario_pp_logits() -> dict:
     return out
 
 
+def scenario_b24() -> dict:
+    """Case B24 at TP=2: shards are gathered by their stable names even when a parameter lost
+    megatron's TP attributes; contradicting metadata, a shard shaped like the full tensor and an
+    unmapped parameter each raise before the first tensor is yielded (nothing partial is sent)."""
+    import torch
+
+    from megatron_rl.models.builder import build_model
+    from megatron_rl.models.hf_config import build_transformer_config
+    from megatron_rl.models.hf_weights import iter_hf_weights, load_hf_weights
+    from megatron_rl.parallel.groups import destroy_parallel, initialize_parallel
+    from tiny_qwen2 import hf_state_dict, tiny_hf_config, tiny_hf_model
+
+    g = initialize_parallel(tensor_model_parallel_size=2, backend="gloo", timeout_s=120, seed=1234)
+    assert g.tp_size == 2
+    hf_config = tiny_hf_config(tie_word_embeddings=False)
+    sd = hf_state_dict(tiny_hf_model(hf_config, seed=0), hf_config)
+    model = build_model(hf_config, build_transformer_config(hf_config, tensor_model_parallel_size=2))
+    load_hf_weights(model, sd, tp_rank=g.tp_rank, tp_size=2)
+    attn, mlp = model.decoder.layers[0].self_attention, model.decoder.layers[0].mlp
+    # column-parallel [512-like full rows] and row-parallel weights are local halves
+    assert attn.linear_qkv.weight.shape[0] * 2 == sum(sd[f"model.layers.0.self_attn.{x}_proj.weight"].shape[0]
+                                                      for x in "qkv")
+    assert attn.linear_proj.weight.shape[1] * 2 == sd["model.layers.0.self_attn.o_proj.weight"].shape[1]
+    # 1. the metadata removed from one column- and one row-parallel weight: gathered bit-exactly
+    for p in (attn.linear_qkv.weight, attn.linear_proj.weight):
+        for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):
+            if hasattr(p, attr):
+                delattr(p, attr)
+    got = dict(iter_hf_weights(model, hf_config, tp_group=g.tp))
+    assert got.keys() == sd.keys(), sorted(set(sd) ^ set(got))
+    mismatched = [k for k in sd if not torch.equal(got[k], sd[k])]
+    assert not mismatched, mismatched
+    errors = {}
+
+    def first_yield_error(label):
+        it = iter_hf_weights(model, hf_config, tp_group=g.tp)
+        try:
+            next(it)
+        except ValueError as e:
+            errors[label] = str(e)
+            return
+        raise AssertionError(f"{label}: a tensor was yielded")
+
+    # 2. metadata contradicting the name (fc1 marked row-parallel)
+    mlp.linear_fc1.weight.partition_dim = 1
+    first_yield_error("contradiction")
+    mlp.linear_fc1.weight.partition_dim = 0
+    # 3. a local shard shaped like the full tensor (the slime#2280 symptom, reversed)
+    real = attn.linear_qkv.weight
+    attn.linear_qkv.weight = torch.nn.Parameter(torch.zeros(real.shape[0] * 2, real.shape[1]))
+    first_yield_error("full-size shard")
+    attn.linear_qkv.weight = real
+    # 4. a parameter with no HF mapping (e.g. an expert weight of an unsupported layer)
+    mlp.register_parameter("extra_expert", torch.nn.Parameter(torch.zeros(4, 4)))
+    first_yield_error("unmapped")
+    destroy_parallel()
+    return {"rank": g.rank, "errors": errors}
+
+
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format=f"[rank {os.environ.get('RANK')}] %(name)s: %(message)s")
     scenario = sys.argv[1]
-    result = {"train": scenario_train, "layouts": scenario_layouts, "pp_logits": scenario_pp_logits}[scenario]()
+    result = {"train": scenario_train, "layouts": scenario_layouts, "pp_logits": scenario_pp_logits,
+              "b24": scenario_b24}[scenario]()
     print("RESULT " + json.dumps(result), flush=True)
 
 
