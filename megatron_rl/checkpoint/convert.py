@@ -435,8 +435,44 @@ def export_to_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, h
     target = _dtype_of(hf_config, dtype)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    # shards go to a staging folder; weights already in `out` are replaced only once all are written
+    stage = out / f".megatron-rl-export-{os.getpid()}"
+    shutil.rmtree(stage, ignore_errors=True)
+    try:
+        files = _export_units_to(stage, ckpt, hf_config, tf, expected_hf, target, max_shard_bytes, progress)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
     for old in list(out.glob("*.safetensors")) + list(out.glob("model.safetensors.index.json")):
         old.unlink()
+    for f in stage.iterdir():
+        f.rename(out / f.name)
+    stage.rmdir()
+    for name in HF_SIDE_FILES:
+        if (src / name).is_file() and (src / name).resolve() != (out / name).resolve():
+            shutil.copy2(src / name, out / name)
+    logger.info("exported %s -> %s (%d safetensors file(s))", ckpt, out, len(files))
+    return out
+
+
+def _tensor_digest(tensor: torch.Tensor) -> bytes:
+    """SHA-1 of a tensor's bytes (dtype-exact)."""
+    import hashlib
+
+    return hashlib.sha1(tensor.detach().contiguous().view(torch.uint8).numpy()).digest()
+
+
+def _export_units_to(out: Path, ckpt: Path, hf_config: dict, tf, expected_hf: dict, target: torch.dtype,
+                     max_shard_bytes: int, progress: bool) -> list:
+    """The unit-by-unit export loop of `export_to_hf`, writing shards into `out` (created)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    from megatron_rl.models.hf_weights import hf_from_global
+
+    out.mkdir(parents=True, exist_ok=True)
+    tied = bool(hf_config.get("tie_word_embeddings", False))
+    embed_digest = None
     writer = _ShardWriter(out, max_shard_bytes)
     total = sum(torch.Size(s).numel() for s in expected_hf.values()) * target.itemsize
     with single_process_world(), _progress(total, "megatron -> HF", progress) as bar:
@@ -467,16 +503,18 @@ def export_to_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, h
             order = {name: i for i, name in enumerate(expected_hf)}
             for name, tensor in sorted(named, key=lambda nt: order.get(nt[0], -1)):
                 if name not in expected_hf:  # e.g. a tied model's output layer at PP > 1
+                    if name == "lm_head.weight" and tied and _tensor_digest(tensor.to(target)) != embed_digest:
+                        raise ValueError(
+                            f"checkpoint {ckpt} has an output layer that differs from its embedding (untied), but "
+                            "config.json says tie_word_embeddings=true: exporting would drop the trained lm_head; "
+                            "pass --hf-config-dir with the untied config")
                     continue
+                if name == "model.embed_tokens.weight" and tied:
+                    embed_digest = _tensor_digest(tensor.to(target))
                 if tuple(tensor.shape) != expected_hf[name]:
                     raise ValueError(f"checkpoint {ckpt}: HF tensor {name!r} comes out with shape {list(tensor.shape)}, "
                                      f"config.json expects {list(expected_hf[name])}")
                 writer.add(name, tensor.to(target))
                 bar.update(tensor.numel() * target.itemsize)
             del loaded, named
-        files = writer.close()
-    for name in HF_SIDE_FILES:
-        if (src / name).is_file():
-            shutil.copy2(src / name, out / name)
-    logger.info("exported %s -> %s (%d safetensors file(s), %.1f MB)", ckpt, out, len(files), writer.total_bytes / 1e6)
-    return out
+        return writer.close()

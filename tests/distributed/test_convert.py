@@ -216,3 +216,40 @@ def test_import_refuses_weights_that_do_not_match_the_config(megatron_world1, tm
         import_from_hf(hf_dir, tmp_path / "bad")
     with pytest.raises(ValueError, match=r"unsupported HF config key 'model_type'='mixtral'"):
         export_to_hf(tmp_path / "good", tmp_path / "bad_out", hf_config_dir=str(hf_dir))
+
+
+def test_failed_export_keeps_the_weights_already_in_out(megatron_world1, tmp_path):
+    """A failing export (here: a config that does not match) leaves an existing HF folder's
+    weights untouched and no staging files; a successful one replaces them (breaker finding)."""
+    cfg = tiny_hf_config(tie_word_embeddings=True)
+    hf_dir = tmp_path / "hf"
+    tiny_hf_model(cfg, seed=0).save_pretrained(hf_dir)
+    import_from_hf(hf_dir, tmp_path / "mcore")
+    out = tmp_path / "existing"
+    tiny_hf_model(cfg, seed=5).save_pretrained(out)
+    before = _hf_tensors(out)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps(dict(cfg, intermediate_size=cfg["intermediate_size"] * 2)))
+    with pytest.raises(ValueError, match="has shape"):
+        export_to_hf(tmp_path / "mcore", out, hf_config_dir=str(other))
+    after = _hf_tensors(out)
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == []
+    export_to_hf(tmp_path / "mcore", out)
+    assert torch.equal(_hf_tensors(out)["model.embed_tokens.weight"], _hf_tensors(hf_dir)["model.embed_tokens.weight"])
+
+
+def test_untied_checkpoint_with_a_tied_config_is_refused(megatron_world1, tmp_path):
+    """Exporting an untied model under tie_word_embeddings=true would silently drop the trained
+    lm_head (breaker finding): refused with the reason."""
+    cfg = tiny_hf_config(tie_word_embeddings=False)
+    hf_dir = tmp_path / "hf"
+    tiny_hf_model(cfg, seed=0).save_pretrained(hf_dir)
+    import_from_hf(hf_dir, tmp_path / "mcore")
+    tied = tmp_path / "tied"
+    tied.mkdir()
+    (tied / "config.json").write_text(json.dumps(dict(cfg, tie_word_embeddings=True)))
+    with pytest.raises(ValueError, match="tie_word_embeddings=true"):
+        export_to_hf(tmp_path / "mcore", tmp_path / "x", hf_config_dir=str(tied))
+    assert not list((tmp_path / "x").glob("*.safetensors"))
