@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections import defaultdict
 from typing import Sequence
@@ -64,3 +65,20 @@ def evaluate(manager, rows: Sequence[PromptRow], *, n: int, temperature: float, 
         out["by_level"] = by_level
     out["wall_s"] = time.perf_counter() - t0
     return out
+
+
+def eval_metric_row(res: dict, prefix: str = "eval") -> dict[str, float]:
+    """Flatten an `evaluate` result into metrics.jsonl / TensorBoard / W&B keys.
+
+    Overall float results become `{prefix}/{key}` (`eval/avg@8`, `eval/pass@8`, `eval/greedy_acc`,
+    `eval/format_valid`, `eval/wall_s`); each difficulty level of `res["by_level"]` becomes
+    `{prefix}/level_{L}/{key}` for the same keys (`eval/level_3/avg@8`), with `L` the level as
+    written in `extra_info.level`, a leading "level" dropped and characters other than letters,
+    digits, `.`, `-` and `_` replaced by `_` ("Level 3" -> `level_3`). Counts (`num_problems`) and
+    other non-float values are left out, as for the overall keys.
+    """
+    row = {f"{prefix}/{k}": v for k, v in res.items() if isinstance(v, float)}
+    for level, rec in (res.get("by_level") or {}).items():
+        name = re.sub(r"[^A-Za-z0-9._-]+", "_", re.sub(r"(?i)^\s*level[\s_]*", "", str(level)).strip()) or "none"
+        row.update({f"{prefix}/level_{name}/{k}": v for k, v in rec.items() if isinstance(v, float)})
+    return row

@@ -323,7 +323,7 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
     from megatron_rl.checkpoint.save import latest_checkpoint, load_checkpoint, save_checkpoint
     from megatron_rl.data.dataset import PromptDataset, load_rows
     from megatron_rl.data.prompts import check_prompt_lengths
-    from megatron_rl.eval.evaluate import evaluate
+    from megatron_rl.eval.evaluate import eval_metric_row, evaluate
     from megatron_rl.metrics.writer import MetricsWriter
     from megatron_rl.models.builder import build_model, transformer_config_for, use_te_for, wrap_ddp_and_optimizer
     from megatron_rl.models.hf_config import build_model_spec
@@ -516,7 +516,7 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
     sync_metrics = push_weights(weight_version)
     if cfg.eval.before_train and val_rows and resumed_from is None:
         summary["eval_before"] = run_eval("eval_before")
-        writer.write(0, {f"eval/{k}": v for k, v in summary["eval_before"].items() if isinstance(v, float)})
+        writer.write(0, eval_metric_row(summary["eval_before"]))
 
     progress = None
     if t.progress_bar and is_controller:
@@ -674,7 +674,7 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
             m.update({k: v for k, v in sync_metrics.items() if isinstance(v, (int, float))})
             if cfg.eval.interval and step % cfg.eval.interval == 0 and step != t.total_training_steps and val_rows:
                 ev = run_eval(f"eval_step{step}")
-                m.update({f"eval/{k}": v for k, v in ev.items() if isinstance(v, float)})
+                m.update(eval_metric_row(ev))
             writer.write(step, m)
             if progress is not None:
                 progress.update(1)
@@ -694,8 +694,7 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
 
     if cfg.eval.after_train and val_rows and is_controller:
         summary["eval_after"] = run_eval("eval_after")
-        writer.write(t.total_training_steps,
-                     {f"eval/{k}": v for k, v in summary["eval_after"].items() if isinstance(v, float)})
+        writer.write(t.total_training_steps, eval_metric_row(summary["eval_after"]))
     summary["steps"] = t.total_training_steps
     summary["wall_s"] = wall_before + time.perf_counter() - t_start
     summary["total_generated_tokens"] = total_tokens
