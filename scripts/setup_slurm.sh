@@ -49,7 +49,7 @@ install_pkgs() {
   fi
   log "installing slurm-wlm and munge"
   export DEBIAN_FRONTEND=noninteractive
-  if ! { apt-get update -qq && apt-get install -y -qq --no-install-recommends slurm-wlm munge >/dev/null; }; then
+  if ! { apt-get -o DPkg::Lock::Timeout=600 update -qq && apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends slurm-wlm munge >/dev/null; }; then
     echo "setup_slurm: cannot install slurm-wlm and munge: apt-get failed (no package mirror?)" >&2; exit 3
   fi
 }
