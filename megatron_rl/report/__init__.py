@@ -14,6 +14,7 @@ import html
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
@@ -46,6 +47,25 @@ PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
     ("GPU", "gpu", [
         ("gpu/util_pct", "GPU utilisation (%)"), ("gpu/mem_used_gib", "GPU memory used (GiB)")]),
 ]
+
+
+LEVEL_PANEL = ("Evaluation by difficulty level (held-out avg@n)", "eval_levels")
+"""Drawn after the evaluation panel when eval rows carry `eval/level_{L}/avg@{n}` keys (one plot per level)."""
+_LEVEL_KEY = re.compile(r"^eval/level_([^/]+)/avg@\d+$")
+
+
+def _level_sort_key(level: str):
+    try:
+        return (0, float(level), level)
+    except ValueError:
+        return (1, 0.0, level)
+
+
+def level_metrics(runs: Sequence["Run"]) -> list[tuple[str, str]]:
+    """`[(pattern, subplot title)]` for the per-level evaluation panel: one `eval/level_{L}/avg@*`
+    pattern per level found in any run, levels in numeric order (non-numeric names last)."""
+    levels = {m.group(1) for r in runs for k in r.series if (m := _LEVEL_KEY.match(k))}
+    return [(f"eval/level_{lv}/avg@*", f"level {lv}") for lv in sorted(levels, key=_level_sort_key)]
 
 
 @dataclass
@@ -239,7 +259,11 @@ def make_report(run_dirs: Sequence[str | os.PathLike], out_dir: Optional[str | o
     out = Path(out_dir) if out_dir else Path(run_dirs[0]) / "report"
     out.mkdir(parents=True, exist_ok=True)
     sections = []
-    for title, stem, metrics in PANELS:
+    panels = list(PANELS)
+    if level_panel := level_metrics(runs):
+        at = next(i for i, p in enumerate(panels) if p[1] == "eval") + 1
+        panels.insert(at, (*LEVEL_PANEL, level_panel))
+    for title, stem, metrics in panels:
         png = out / f"{stem}.png"
         if plot_panel(runs, title, metrics, png, smooth=smooth):
             data = base64.b64encode(png.read_bytes()).decode()
