@@ -2,7 +2,8 @@
 
 ``embedded``: ``python -m megatron_rl.rollout.server`` (the project's HF server; ``--parent-pid``
 watchdog). ``sglang``: ``<python> -m sglang.launch_server`` with SGLang 0.5.23's flags, run by the
-interpreter of SGLang's own environment (it pins its own torch). Every server gets explicit,
+interpreter of SGLang's own environment (it pins its own torch), under
+``megatron_rl.rollout.watchdog`` so that it dies with the trainer. Every server gets explicit,
 unique ports chosen before any of them starts (an HTTP port, and for SGLang an ``--nccl-port``),
 never SGLang's default of ``port + random(100, 1000)`` for NCCL, which collides when several
 engines share a node (case B31). ``launch_servers`` starts several and returns ``ServerProcess``
@@ -14,6 +15,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -125,8 +127,11 @@ class ServerProcess:
             try:
                 self.process.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
-                logger.warning("rollout server pid %d ignored SIGTERM; killing it", self.process.pid)
-                self.process.kill()
+                logger.warning("rollout server pid %d ignored SIGTERM; killing its process group", self.process.pid)
+                try:  # started with start_new_session: its group holds whatever it spawned (SGLang's schedulers)
+                    os.killpg(self.process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    self.process.kill()
                 self.process.wait(timeout=timeout_s)
 
     def __enter__(self) -> ServerProcess:
@@ -247,6 +252,13 @@ def build_sglang_command(
     if admin_api_key:
         cmd += ["--admin-api-key", admin_api_key]
     return cmd + [str(a) for a in extra_args]
+
+
+def with_parent_watchdog(cmd: Sequence[str], parent_pid: int | None = None) -> list[str]:
+    """``cmd`` run under ``python -m megatron_rl.rollout.watchdog``: it is stopped (SIGTERM, then
+    SIGKILL of its whole process group) once ``parent_pid`` (default: this process) is gone."""
+    pid = os.getpid() if parent_pid is None else parent_pid
+    return [sys.executable, "-m", "megatron_rl.rollout.watchdog", "--parent-pid", str(pid), "--", *map(str, cmd)]
 
 
 def _spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None) -> subprocess.Popen:
@@ -437,12 +449,14 @@ def launch_servers(
             if admin_api_key:
                 extra += ["--admin-api-key", admin_api_key]
             return build_embedded_command(model_path, host=host, port=ports_[0], extra_args=extra)
-        return build_sglang_command(
+        sglang_cmd = build_sglang_command(
             model_path, python=sglang_python, host=host, port=ports_[0], nccl_port=ports_[1], tp_size=tp_size,
             mem_fraction_static=mem_fraction_static, skip_tokenizer_init=skip_tokenizer_init,
             random_seed=random_seed, enable_deterministic_inference=enable_deterministic_inference,
             api_key=api_key, admin_api_key=admin_api_key, extra_args=sglang_args,
         )
+        # SGLang has no parent-death watchdog: a trainer killed outright must not leave engines behind
+        return with_parent_watchdog(sglang_cmd)
 
     servers: list[ServerProcess] = []
     try:
