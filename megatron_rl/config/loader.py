@@ -36,6 +36,8 @@ VERL_ALIASES: dict[str, str] = {
     "actor_rollout_ref.actor.optim.clip_grad": "actor.optim.clip_grad",
     "actor_rollout_ref.actor.grad_clip": "actor.optim.clip_grad",
     "actor_rollout_ref.actor.tis_imp_ratio_cap": "actor.tis.clip",
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": "actor.max_tokens_per_micro_batch",
+    "actor.ppo_max_token_len_per_gpu": "actor.max_tokens_per_micro_batch",
 }
 """verl's full dotted paths (longest match wins) -> this project's keys (ALGORITHMS.md preamble)."""
 
@@ -283,6 +285,14 @@ def validate_config(cfg: Config) -> None:
         raise ValueError("actor.use_kl_loss: true needs actor.kl_loss_coef > 0")
     if cfg.eval.n < 1:
         raise ValueError("eval.n must be >= 1")
+    longest = d.max_prompt_length + d.max_response_length
+    if cfg.trainer.sequence_parallel:  # rows are padded to a multiple of TP
+        longest = -(-longest // cfg.trainer.tensor_model_parallel_size) * cfg.trainer.tensor_model_parallel_size
+    if a.token_budget is not None and a.token_budget < longest:
+        raise ValueError(
+            f"actor.max_tokens_per_micro_batch ({a.token_budget}) is smaller than one sequence of up to "
+            f"data.max_prompt_length + data.max_response_length = {longest} tokens (padded); raise it to at least that"
+        )
     t = cfg.trainer
     if t.sequence_parallel and t.tensor_model_parallel_size == 1:
         raise ValueError("trainer.sequence_parallel needs trainer.tensor_model_parallel_size > 1")

@@ -198,7 +198,17 @@ class ActorConfig:
     ppo_mini_batch_size: int = 8
     """Prompts per optimizer update (x rollout.n sequences), as in verl."""
     ppo_micro_batch_size: int = 16
-    """Sequences per forward/backward micro-batch on one data-parallel rank."""
+    """Sequences per forward/backward micro-batch on one data-parallel rank (unused while a token
+    budget is in effect)."""
+    max_tokens_per_micro_batch: Optional[int] = None
+    """Token budget of a micro-batch on one data-parallel rank (verl: `ppo_max_token_len_per_gpu`
+    with `use_dynamic_bsz`): rows x padded width, the width being the micro-batch's longest
+    prompt + response (rounded up to TP under sequence parallelism). None = fixed
+    `ppo_micro_batch_size` micro-batches. Must be >= data.max_prompt_length + data.max_response_length.
+    Does not change the gradient (the loss normaliser is global, ALGORITHMS.md section 6)."""
+    use_dynamic_bsz: Optional[bool] = None
+    """verl's switch for the token budget: None = on exactly when `max_tokens_per_micro_batch` is
+    set; false = the budget is ignored (fixed micro-batches); true requires the budget."""
     ppo_epochs: int = 1
     policy_loss: str = "vanilla"
     """Registry name: vanilla | gspo | cispo."""
@@ -228,6 +238,10 @@ class ActorConfig:
         _positive("actor", "ppo_mini_batch_size", self.ppo_mini_batch_size)
         _positive("actor", "ppo_micro_batch_size", self.ppo_micro_batch_size)
         _positive("actor", "ppo_epochs", self.ppo_epochs)
+        _positive("actor", "max_tokens_per_micro_batch", self.max_tokens_per_micro_batch)
+        if self.use_dynamic_bsz and self.max_tokens_per_micro_batch is None:
+            raise ValueError("actor.use_dynamic_bsz: true needs actor.max_tokens_per_micro_batch (verl: "
+                             "ppo_max_token_len_per_gpu), the token budget of a micro-batch")
         _choice("actor", "policy_loss", self.policy_loss, ("vanilla", "gspo", "cispo"))
         _choice(
             "actor",
@@ -242,6 +256,11 @@ class ActorConfig:
             _positive("actor", name, getattr(self, name))
         _positive("actor", "loss_scale_factor", self.loss_scale_factor)
         _positive("actor", "kl_loss_coef", self.kl_loss_coef, allow_zero=True)
+
+    @property
+    def token_budget(self) -> Optional[int]:
+        """The micro-batch token budget in effect (None = fixed `ppo_micro_batch_size`)."""
+        return None if self.use_dynamic_bsz is False else self.max_tokens_per_micro_batch
 
 
 @dataclass(kw_only=True)

@@ -5,6 +5,9 @@ model reads positions 0..S-1; position p predicts token p+1, so every per-token 
 indexed by the *predicting* position: response token k of a sequence whose prompt has P tokens
 sits at input position P+k and is predicted at position P+k-1. Right padding with a causal mask
 means real tokens never attend to padding.
+
+Micro-batches are cut either by a sequence count (`actor.ppo_micro_batch_size`) or by a token
+budget (`actor.max_tokens_per_micro_batch`, see `split_by_token_budget`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ class TrainBatch:
         rollout_logprobs: [N, S] float32, server log-probs at the predicting positions (0 elsewhere).
         old_logprobs: [N, S] float32 or None, trainer recompute before the first update.
         ref_logprobs: [N, S] float32 or None, reference policy (only with a KL loss).
+        seq_lengths: [N] int64 or None, real tokens of each row (prompt + response); set by
+            `build_train_batch`, needed by the token-budget split.
+        pad_multiple: S and every trimmed width are multiples of this (TP under sequence parallelism).
     """
 
     input_ids: torch.Tensor
@@ -38,6 +44,8 @@ class TrainBatch:
     rollout_logprobs: torch.Tensor
     old_logprobs: torch.Tensor | None = None
     ref_logprobs: torch.Tensor | None = None
+    seq_lengths: torch.Tensor | None = None
+    pad_multiple: int = 1
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -51,13 +59,101 @@ class TrainBatch:
             input_ids=s(self.input_ids), position_ids=s(self.position_ids), labels=s(self.labels),
             loss_mask=s(self.loss_mask), advantages=s(self.advantages),
             rollout_logprobs=s(self.rollout_logprobs), old_logprobs=s(self.old_logprobs),
-            ref_logprobs=s(self.ref_logprobs),
+            ref_logprobs=s(self.ref_logprobs), seq_lengths=s(self.seq_lengths), pad_multiple=self.pad_multiple,
+        )
+
+    def select(self, rows: Sequence[int], width: int | None = None) -> "TrainBatch":
+        """Rows `rows` (in that order) of every tensor, the per-token ones cut to the first `width`
+        columns (None = all S). Cutting only removes right padding when `width` is at least the
+        longest selected row: with a causal mask the kept positions compute the same values.
+
+        Raises:
+            ValueError: `width` is shorter than a selected row, or not a multiple of `pad_multiple`.
+        """
+        idx = torch.as_tensor(list(rows), dtype=torch.long)
+        if width is not None:
+            if width % self.pad_multiple:
+                raise ValueError(f"width {width} is not a multiple of pad_multiple {self.pad_multiple}")
+            if self.seq_lengths is not None and len(idx) and int(self.seq_lengths[idx].max()) > width:
+                raise ValueError(f"width {width} would cut a row of {int(self.seq_lengths[idx].max())} tokens")
+
+        def s(t, per_token=True):
+            if t is None:
+                return None
+            t = t.index_select(0, idx)
+            return t[:, :width].contiguous() if per_token and width is not None else t
+
+        return TrainBatch(
+            input_ids=s(self.input_ids), position_ids=s(self.position_ids), labels=s(self.labels),
+            loss_mask=s(self.loss_mask), advantages=s(self.advantages, False),
+            rollout_logprobs=s(self.rollout_logprobs), old_logprobs=s(self.old_logprobs),
+            ref_logprobs=s(self.ref_logprobs), seq_lengths=s(self.seq_lengths, False),
+            pad_multiple=self.pad_multiple,
         )
 
     def micro_batches(self, micro_batch_size: int) -> Iterator["TrainBatch"]:
         """Consecutive micro-batches of at most `micro_batch_size` sequences."""
         for start in range(0, len(self), micro_batch_size):
             yield self.slice(start, min(start + micro_batch_size, len(self)))
+
+    def token_budget_micro_batches(self, max_tokens: int) -> list[tuple[list[int], "TrainBatch"]]:
+        """Micro-batches under a token budget: (row indices, micro-batch cut to its own padded
+        width) pairs, from `split_by_token_budget`. Raises its `ValueError`s."""
+        if self.seq_lengths is None:
+            raise ValueError("token-budget micro-batches need seq_lengths (build the batch with build_train_batch)")
+        plan = split_by_token_budget(self.seq_lengths.tolist(), max_tokens, pad_multiple=self.pad_multiple)
+        return [(rows, self.select(rows, width=width)) for rows, width in plan]
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def split_by_token_budget(lengths: Sequence[int], max_tokens: int, *,
+                          pad_multiple: int = 1) -> list[tuple[list[int], int]]:
+    """Partition rows into micro-batches whose *padded* size stays within `max_tokens`.
+
+    The cost of a micro-batch is what the model really processes: rows x its padded width, the
+    width being its longest row (prompt + response tokens) rounded up to `pad_multiple` (TP under
+    sequence parallelism); the micro-batch is cut to that width, so shorter micro-batches carry no
+    padding of the longest row in the mini-batch. (verl's `ppo_max_token_len_per_gpu` counts
+    unpadded tokens because verl packs sequences without padding; this trainer pads, so the
+    padded count is the one that bounds activation memory.)
+
+    Rows are taken longest first (ties by index) and added to the current micro-batch while
+    (rows + 1) x width <= max_tokens, which keeps the padding small. Which rows share a
+    micro-batch does not change the mini-batch gradient: the loss normaliser is global
+    (ALGORITHMS.md section 6).
+
+    Args:
+        lengths: real tokens of each row (prompt + response).
+        max_tokens: the budget (`actor.max_tokens_per_micro_batch`).
+        pad_multiple: widths are rounded up to a multiple of this.
+
+    Returns:
+        (row indices, width) per micro-batch, in processing order; every row appears once.
+
+    Raises:
+        ValueError: a row alone exceeds the budget (the message names the key and the row), or
+            `max_tokens` is not positive.
+    """
+    if max_tokens <= 0:
+        raise ValueError(f"actor.max_tokens_per_micro_batch: {max_tokens!r} must be > 0")
+    order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
+    plan: list[tuple[list[int], int]] = []
+    for i in order:
+        width = _round_up(max(int(lengths[i]), 1), pad_multiple)
+        if width > max_tokens:
+            raise ValueError(
+                f"actor.max_tokens_per_micro_batch ({max_tokens}) is smaller than one sequence: row {i} has "
+                f"{int(lengths[i])} tokens (prompt + response{f', padded to {width}' if width != lengths[i] else ''}); "
+                "set it to at least data.max_prompt_length + data.max_response_length"
+            )
+        if plan and (len(plan[-1][0]) + 1) * plan[-1][1] <= max_tokens:
+            plan[-1][0].append(i)  # rows come longest first: the micro-batch's width is unchanged
+        else:
+            plan.append(([i], width))
+    return plan
 
 
 def build_train_batch(
@@ -113,4 +209,6 @@ def build_train_batch(
         loss_mask=loss_mask,
         advantages=torch.tensor(list(advantages), dtype=torch.float32),
         rollout_logprobs=rlp,
+        seq_lengths=torch.tensor(lengths, dtype=torch.long),
+        pad_multiple=pad_to_multiple_of,
     )

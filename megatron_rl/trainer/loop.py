@@ -407,7 +407,7 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
         ddp_model, optimizer, scheduler, vocab_size=spec.vocab_size, micro_batch_size=a.ppo_micro_batch_size,
         tp_group=pgs.tp if t.tensor_model_parallel_size > 1 else None, ref_model=ref_model,
         dp_group=pgs.dp_cp if pgs.dp_size * pgs.cp_size > 1 else None,
-        pp_group=pgs.pp if pgs.pp_size > 1 else None,
+        pp_group=pgs.pp if pgs.pp_size > 1 else None, max_tokens_per_micro_batch=a.token_budget,
         loss=LossSettings(
             policy_loss=a.policy_loss, loss_agg_mode=a.loss_agg_mode,
             loss_scale_factor=a.loss_scale_factor or (float(cfg.data.max_response_length)

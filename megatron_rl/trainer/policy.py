@@ -69,7 +69,9 @@ class PolicyTrainer:
         optimizer: megatron-core optimizer (`get_megatron_optimizer`).
         scheduler: `OptimizerParamScheduler`.
         vocab_size: unpadded vocabulary size (padded logits are masked out).
-        micro_batch_size: sequences per micro-batch.
+        micro_batch_size: sequences per micro-batch (when `max_tokens_per_micro_batch` is None).
+        max_tokens_per_micro_batch: token budget of a micro-batch (rows x padded width, see
+            `trainer.batch.split_by_token_budget`); None = fixed `micro_batch_size` micro-batches.
         loss: `LossSettings`.
         tp_group: tensor-parallel group for the vocab-parallel log-probs (None at TP=1).
         ref_model: frozen reference model chunks, only with a KL loss.
@@ -81,10 +83,18 @@ class PolicyTrainer:
     through megatron-core's schedule (1F1B across `pp_group`), and megatron-core reduces the
     gradients and the loss normaliser over all micro-batches and DP ranks. Log-probs and metrics
     are gathered so that every rank returns the same full-batch values.
+
+    Groups and ranks: advantages (every estimator, DAA included) are computed by the controller
+    over the whole step before the batch reaches the trainer, and no loss term couples the
+    sequences of a group, so no estimator needs a group on one DP rank; a DP share holds whole
+    groups anyway when `actor.ppo_mini_batch_size` is a multiple of the DP size (shares are
+    contiguous and groups are stored contiguously). With a token budget a rank's micro-batch
+    count can differ from another rank's; the gradients are reduced once per mini-batch.
     """
 
     def __init__(self, model, optimizer, scheduler, *, vocab_size: int, micro_batch_size: int,
-                 loss: LossSettings, tp_group=None, ref_model=None, dp_group=None, pp_group=None) -> None:
+                 loss: LossSettings, tp_group=None, ref_model=None, dp_group=None, pp_group=None,
+                 max_tokens_per_micro_batch: int | None = None) -> None:
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -95,6 +105,7 @@ class PolicyTrainer:
         self.ref_model = ref_model
         self.dp_group = dp_group
         self.pp_group = pp_group
+        self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
         self._loss_fn = POLICY_LOSSES.get(loss.policy_loss)
 
     # ---- layout helpers ------------------------------------------------------------------------
@@ -125,6 +136,17 @@ class PolicyTrainer:
                              "(actor.ppo_mini_batch_size x rollout.n must be a multiple of the data-parallel size)")
         per = len(mini) // size
         return mini.slice(rank * per, (rank + 1) * per)
+
+    def _plan(self, share: TrainBatch) -> list[tuple[list[int], TrainBatch]]:
+        """This rank's micro-batches of its share: (row indices within the share, micro-batch).
+
+        Fixed-size micro-batches are consecutive rows at the full width S; token-budget ones are
+        cut to their own padded width (`TrainBatch.token_budget_micro_batches`).
+        """
+        if self.max_tokens_per_micro_batch is not None:
+            return share.token_budget_micro_batches(self.max_tokens_per_micro_batch)
+        step, n = self.micro_batch_size, len(share)
+        return [(list(range(a, min(a + step, n))), share.slice(a, min(a + step, n))) for a in range(0, n, step)]
 
     def _minis(self, n: int, mini_batch_sequences: int | None) -> list[tuple[int, int]]:
         step = mini_batch_sequences or n
@@ -179,7 +201,8 @@ class PolicyTrainer:
         for m in model:
             m.eval()
         shares = [self._dp_share(batch.slice(a, b)) for a, b in self._minis(len(batch), mini_batch_sequences)]
-        mbs = [mb for share in shares for mb in share.micro_batches(self.micro_batch_size)]
+        plans = [self._plan(share) for share in shares]
+        mbs = [mb for plan in plans for _, mb in plan]
 
         def forward_step(data_iterator, m):
             mb = next(data_iterator)
@@ -196,15 +219,19 @@ class PolicyTrainer:
             out = self._schedule()(
                 forward_step_func=forward_step, data_iterator=iter(mbs), model=model,
                 num_microbatches=len(mbs), seq_length=batch.input_ids.shape[1],
-                micro_batch_size=self.micro_batch_size, forward_only=True,
+                micro_batch_size=max(len(mb) for mb in mbs), forward_only=True,
             )
         for m in model:
             m.train()
-        local_rows = sum(len(s) for s in shares)
-        if self.is_last_stage:
-            local = torch.cat([o["logprobs"].float() for o in out], dim=0)
-        else:
-            local = torch.empty((local_rows, batch.input_ids.shape[1]), dtype=torch.float32)
+        width = batch.input_ids.shape[1]
+        local = torch.zeros((sum(len(s) for s in shares), width), dtype=torch.float32)
+        if self.is_last_stage:  # micro-batch outputs back into the shares' row order, at width S
+            outputs, offset = iter(out), 0
+            for share, plan in zip(shares, plans):
+                for rows, _ in plan:
+                    lp = next(outputs)["logprobs"].float()
+                    local[torch.as_tensor(rows) + offset, : lp.shape[1]] = lp
+                offset += len(share)
         local = self._from_last_stage(local)
         # rows are [mini 0 share, mini 1 share, ...] on each DP rank: gather per mini-batch
         pieces, offset = [], 0
@@ -258,7 +285,7 @@ class PolicyTrainer:
         `finalize_model_grads`. `mini` is the whole mini-batch (this rank runs its DP share).
         Returns the per-micro-batch metric sums of this rank (empty on non-last pipeline stages).
         """
-        mbs = list(self._dp_share(mini).micro_batches(self.micro_batch_size))
+        mbs = [mb for _, mb in self._plan(self._dp_share(mini))]
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -270,7 +297,7 @@ class PolicyTrainer:
         return self._schedule()(
             forward_step_func=forward_step, data_iterator=iter(mbs), model=self.model,
             num_microbatches=len(mbs), seq_length=mini.input_ids.shape[1],
-            micro_batch_size=self.micro_batch_size, forward_only=False,
+            micro_batch_size=max(len(mb) for mb in mbs), forward_only=False,
         )
 
     def update(self, batch: TrainBatch, *, mini_batch_sequences: int, ppo_epochs: int = 1) -> list[dict]:

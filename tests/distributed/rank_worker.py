@@ -131,7 +131,7 @@ def scenario_train() -> dict:
 
 def scenario_layouts() -> dict:
     """TP = $TP, PP = $PP, DP = the rest: log-probs, one mini-batch's gradients and two PPO updates
-    of a fixed batch; tensors go to $OUT_DIR/rank{r}.pt in HF names (first TP and DP rank of each
+    of a fixed batch (micro-batches of 2 rows, or under the token budget $BUDGET); tensors go to $OUT_DIR/rank{r}.pt in HF names (first TP and DP rank of each
     stage), scalars to the RESULT line. The test compares every layout with one process."""
     import torch
     import torch.distributed as dist
@@ -180,7 +180,8 @@ def scenario_layouts() -> dict:
     )
     trainer = PolicyTrainer(tm.model, tm.optimizer, tm.scheduler, vocab_size=hf_config["vocab_size"],
                             micro_batch_size=2, loss=loss, tp_group=g.tp if tp > 1 else None,
-                            dp_group=g.dp_cp if g.dp_size > 1 else None, pp_group=g.pp if pp > 1 else None)
+                            dp_group=g.dp_cp if g.dp_size > 1 else None, pp_group=g.pp if pp > 1 else None,
+                            max_tokens_per_micro_batch=int(os.environ["BUDGET"]) if os.environ.get("BUDGET") else None)
     gen = torch.Generator().manual_seed(7)
     lengths = [(3, 5), (2, 2), (4, 7), (1, 3), (5, 4), (2, 6), (3, 1), (4, 4)]
     prompts = [torch.randint(1, 199, (p,), generator=gen).tolist() for p, _ in lengths]

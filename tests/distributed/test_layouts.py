@@ -6,6 +6,9 @@ metrics and the same weights after one and after two optimizer steps as one proc
 within 1e-5 norm-wise relative error (||a - b|| / ||b||). Vocabulary-parallel log-probs
 never gather the [B, S, V] logits (trainer.logprobs). Sequence parallelism needs Transformer
 Engine's norms (megatron-core's local spec refuses it), so on CPU it is a launch-time config error.
+Token-budget micro-batches (`actor.max_tokens_per_micro_batch` 16 on rows of 4-11 tokens) vary in
+rows and width: through the PP=2 pipeline (shapes exchanged, `variable_seq_lengths`) and on DP=2,
+where the two ranks run different numbers of micro-batches, the result is still the reference's.
 """
 
 import pytest
@@ -65,7 +68,8 @@ def reference(request, tmp_path_factory):
 
 @pytest.mark.parametrize("tp, pp, world, extra", [
     (2, 1, 2, {}), (1, 2, 2, {}), (1, 1, 2, {}), (2, 2, 4, {}), (1, 1, 2, {"DISTOPT": "1"}),
-], ids=["tp2", "pp2", "dp2", "tp2xpp2", "dp2-distributed-optimizer"])
+    (1, 2, 2, {"BUDGET": "16"}), (1, 1, 2, {"BUDGET": "16"}),
+], ids=["tp2", "pp2", "dp2", "tp2xpp2", "dp2-distributed-optimizer", "pp2-token-budget", "dp2-token-budget"])
 def test_layout_equals_one_process(reference, tmp_path, tp, pp, world, extra):
     tie, ref = reference
     got = _run(tmp_path, f"tp{tp}pp{pp}w{world}", tp, pp, world, tie=tie, extra=extra)

@@ -1,8 +1,9 @@
 """PolicyTrainer on a real megatron-core GPTModel (one gloo rank, CPU compat layer).
 
 - B23: the old-log-prob recompute equals the first update's log-probs exactly (ratio 1, clip 0).
-- ALGORITHMS.md 6: a mini-batch's gradient does not change when it is split into 1, 2 or 4
-  micro-batches, for all four aggregation modes (the normaliser is global).
+- ALGORITHMS.md 6: a mini-batch's gradient and loss do not change when it is split into 1, 2 or
+  4 micro-batches, or by a token budget (`actor.max_tokens_per_micro_batch`) into micro-batches of
+  varying rows and widths, for all four aggregation modes (the normaliser is global).
 """
 
 import pytest
@@ -24,7 +25,7 @@ def _settings(mode: str) -> LossSettings:
     )
 
 
-def _trainer(mode: str, micro_batch_size: int):
+def _trainer(mode: str, micro_batch_size: int, max_tokens: int | None = None):
     from megatron_rl.models.builder import build_model, wrap_ddp_and_optimizer
     from megatron_rl.models.hf_config import build_transformer_config
     from megatron_rl.models.hf_weights import load_hf_weights
@@ -36,7 +37,8 @@ def _trainer(mode: str, micro_batch_size: int):
     load_hf_weights(model, hf.state_dict())
     tm = wrap_ddp_and_optimizer(model, tf_config, lr=1e-3, clip_grad=0.0)
     trainer = PolicyTrainer(tm.model, tm.optimizer, tm.scheduler, vocab_size=hf_config["vocab_size"],
-                            micro_batch_size=micro_batch_size, loss=_settings(mode))
+                            micro_batch_size=micro_batch_size, loss=_settings(mode),
+                            max_tokens_per_micro_batch=max_tokens)
     return trainer
 
 
@@ -67,18 +69,52 @@ def test_first_update_is_on_policy(megatron_world1):
     assert not torch.equal(again[batch.loss_mask], batch.old_logprobs[batch.loss_mask])
 
 
+# Rows of `_batch()` hold 8, 4, 11 and 4 tokens (prompt + response; S = 11). Longest first, a
+# micro-batch costs rows x its longest row: budget 11 -> [11] [8] [4, 4]; 16 -> [11] [8, 4] [4];
+# 24 -> [11, 8] [4, 4]; 44 -> all four (width 11).
+BUDGET_PLANS = {11: [[2], [0], [1, 3]], 16: [[2], [0, 1], [3]], 24: [[2, 0], [1, 3]], 44: [[2, 0, 1, 3]]}
+
+
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
 def test_gradient_invariant_to_micro_batch_split(megatron_world1, mode):
-    grads = {}
-    for mbs in (4, 2, 1):
-        trainer = _trainer(mode, micro_batch_size=mbs)
+    grads, losses = {}, {}
+    for split in (4, 2, 1, *(f"budget{b}" for b in BUDGET_PLANS)):
+        budget = int(split[6:]) if isinstance(split, str) else None
+        trainer = _trainer(mode, micro_batch_size=split if budget is None else 1, max_tokens=budget)
         batch = _batch()
+        if budget is not None:
+            assert [rows for rows, _ in trainer._plan(batch)] == BUDGET_PLANS[budget]
         batch.old_logprobs = trainer.compute_logprobs(batch) + 0.05  # off-policy: exercise the clip
-        trainer.accumulate_gradients(batch)
+        out = trainer.accumulate_gradients(batch)
+        losses[split] = sum(float(o["loss_num"]) for o in out) / sum(float(o["loss_count"]) for o in out)
         params = [p for p in trainer.model[0].parameters() if p.requires_grad]
-        grads[mbs] = torch.cat([p.main_grad.detach().flatten().clone() for p in params])
+        grads[split] = torch.cat([p.main_grad.detach().flatten().clone() for p in params])
     ref = grads[4]
     assert ref.norm() > 0
-    for mbs in (2, 1):
-        rel = (grads[mbs] - ref).norm() / ref.norm()
-        assert rel < 1e-5, f"{mode}: micro-batch {mbs} gradient differs by {rel:.2e}"
+    for split in grads:
+        rel = (grads[split] - ref).norm() / ref.norm()
+        assert rel < 1e-5, f"{mode}: micro-batch split {split} gradient differs by {rel:.2e}"
+        assert losses[split] == pytest.approx(losses[4], rel=1e-6), (mode, split)
+
+
+def test_token_budget_recompute_is_on_policy(megatron_world1):
+    """B23 with a token budget: micro-batches cut to their own width, old log-probs put back in
+    row order at full width, and the first update sees ratio exactly 1."""
+    ref = _trainer("token-mean", micro_batch_size=4)
+    trainer = _trainer("token-mean", micro_batch_size=1, max_tokens=16)
+    batch = _batch()
+    old = trainer.compute_logprobs(batch, mini_batch_sequences=4)
+    assert old.shape == batch.input_ids.shape
+    assert torch.all(old[3, 4:] == 0)  # row 3 ran alone at width 4: nothing computed beyond it
+    want = ref.compute_logprobs(batch, mini_batch_sequences=4)
+    assert (old - want)[batch.loss_mask].abs().max() < 1e-5
+    batch.old_logprobs = old
+    history = trainer.update(batch, mini_batch_sequences=4)
+    assert history[0]["train/ppo_kl"] == 0.0 and history[0]["train/pg_clipfrac"] == 0.0
+
+
+def test_token_budget_smaller_than_a_sequence(megatron_world1):
+    trainer = _trainer("token-mean", micro_batch_size=1, max_tokens=10)
+    with pytest.raises(ValueError, match=r"actor.max_tokens_per_micro_batch \(10\) is smaller than one sequence: "
+                                         r"row 2 has 11 tokens"):
+        trainer.compute_logprobs(_batch())
