@@ -19,35 +19,49 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
-# (panel title, file stem, [(metric key or "prefix*", subplot title)])
-PANELS: list[tuple[str, str, list[tuple[str, str]]]] = [
+# (panel title, file stem, [(metric key, "prefix*" or "a|b" (first present), subplot title, y-axis label)])
+PANELS: list[tuple[str, str, list[tuple[str, str, str]]]] = [
     ("Reward and accuracy (training batches)", "reward", [
-        ("train/score", "reward (score)"), ("train/acc", "accuracy"), ("train/format_valid", "format-valid share"),
-        ("reward/overlong_penalty_mean", "overlong penalty (mean)")]),
+        ("train/score", "reward (score)", "mean reward"), ("train/acc", "accuracy", "share of responses"),
+        ("train/format_valid", "format-valid share", "share of responses"),
+        ("reward/overlong_penalty_mean", "overlong penalty (mean)", "penalty")]),
     ("Evaluation (held-out set)", "eval", [
-        ("eval/avg@*", "avg@n"), ("eval/pass@*", "pass@n"), ("eval/greedy_acc", "greedy accuracy"),
-        ("eval/format_valid", "format-valid share")]),
+        ("eval/avg@*", "avg@n (mean accuracy of n samples)", "accuracy"),
+        ("eval/pass@*", "pass@n (unbiased)", "share of problems"),
+        ("eval/greedy_acc", "greedy accuracy", "share of problems"),
+        ("eval/format_valid", "format-valid share", "share of responses")]),
     ("Policy", "policy", [
-        ("train/entropy", "entropy (nats/token)"), ("train/ppo_kl", "PPO KL (old vs new)"),
-        ("train/grad_norm", "grad norm"), ("train/loss", "policy loss"), ("train/kl_loss", "KL loss"),
-        ("train/rollout_logprob_abs_diff", "|rollout - trainer| log-prob")]),
+        ("train/entropy", "entropy", "nats / token"), ("train/ppo_kl", "PPO KL (old vs new)", "nats / token"),
+        ("train/grad_norm", "grad norm (before clipping)", "L2 norm"), ("train/loss", "policy loss", "loss"),
+        ("train/kl_loss", "KL loss (vs reference)", "nats / token"),
+        ("train/rollout_logprob_abs_diff", "|rollout - trainer| log-prob", "nats / token")]),
     ("Clipping", "clipping", [
-        ("train/pg_clipfrac", "PPO clip fraction (upper)"), ("train/pg_clipfrac_lower", "dual-clip fraction (lower)"),
-        ("response_length/clip_ratio", "responses cut at max length")]),
-    ("Response length (tokens)", "length", [
-        ("response_length/mean", "mean"), ("response_length/max", "max")]),
+        ("train/pg_clipfrac", "PPO clip fraction (upper)", "share of tokens"),
+        ("train/pg_clipfrac_lower", "dual-clip fraction (lower)", "share of tokens"),
+        ("response_length/clip_ratio", "responses cut at max length", "share of responses")]),
+    ("Response length", "length", [
+        ("response_length/mean", "mean response length", "tokens"),
+        ("response_length/max", "longest response", "tokens")]),
     ("Dynamic sampling and DAA", "sampling", [
-        ("train/num_gen_batches", "generation batches / step"), ("train/kept_groups", "kept groups"),
-        ("train/solve_all", "groups all correct"), ("train/solve_none", "groups all wrong"),
-        ("train/daa_amplified_frac", "DAA: amplified share"), ("train/daa_factor_mean", "DAA: mean factor")]),
+        ("train/num_gen_batches", "generation batches / step", "batches"),
+        ("train/kept_groups", "groups trained on / step", "groups"),
+        ("train/mixed_groups", "of which mixed correct/wrong", "groups"),
+        ("train/solve_all_frac|train/solve_all", "groups all correct (of generated)", "share of groups"),
+        ("train/solve_none_frac|train/solve_none", "groups all wrong (of generated)", "share of groups"),
+        ("train/daa_amplified_frac", "DAA: responses amplified", "share of responses"),
+        ("train/daa_factor_mean", "DAA: mean factor (amplified responses)", "factor")]),
     ("Timings", "timings", [
-        ("timing/step_s", "step (s)"), ("timing/generate_s", "generate (s)"), ("timing/update_s", "update (s)"),
-        ("timing/old_logprob_s", "old log-probs (s)"), ("timing/weight_sync_s", "weight sync (s)"),
-        ("perf/generate_tokens_per_s", "generation (tokens/s)")]),
+        ("timing/step_s", "step", "s"), ("timing/generate_s", "generate", "s"), ("timing/update_s", "update", "s"),
+        ("timing/old_logprob_s", "old log-probs", "s"), ("timing/weight_sync_s", "weight sync", "s"),
+        ("perf/generate_tokens_per_s", "generation throughput", "tokens / s")]),
     ("GPU", "gpu", [
-        ("gpu/util_pct", "GPU utilisation (%)"), ("gpu/mem_used_gib", "GPU memory used (GiB)")]),
+        ("gpu/util_pct", "GPU utilisation", "%"), ("gpu/mem_used_gib", "GPU memory used", "GiB")]),
 ]
 
+_COUNT_KEYS = {"train/num_gen_batches", "train/kept_groups", "train/mixed_groups", "train/solve_all", "train/solve_none"}
+"""Integer counts: integer ticks, axis from 0."""
+_FEATURE_OF = {"train/daa_amplified_frac": "DAA", "train/daa_factor_mean": "DAA"}
+"""Metrics that mean nothing for a run with the feature off (config.yaml says so): not drawn for it."""
 
 LEVEL_PANEL = ("Evaluation by difficulty level (held-out avg@n)", "eval_levels")
 """Drawn after the evaluation panel when eval rows carry `eval/level_{L}/avg@{n}` keys (one plot per level)."""
@@ -61,25 +75,91 @@ def _level_sort_key(level: str):
         return (1, 0.0, level)
 
 
-def level_metrics(runs: Sequence["Run"]) -> list[tuple[str, str]]:
-    """`[(pattern, subplot title)]` for the per-level evaluation panel: one `eval/level_{L}/avg@*`
+def level_metrics(runs: Sequence["Run"]) -> list[tuple[str, str, str]]:
+    """`[(pattern, subplot title, y label)]` for the per-level evaluation panel: one `eval/level_{L}/avg@*`
     pattern per level found in any run, levels in numeric order (non-numeric names last)."""
     levels = {m.group(1) for r in runs for k in r.series if (m := _LEVEL_KEY.match(k))}
-    return [(f"eval/level_{lv}/avg@*", f"level {lv}") for lv in sorted(levels, key=_level_sort_key)]
+    return [(f"eval/level_{lv}/avg@*", f"level {lv}", "avg@n") for lv in sorted(levels, key=_level_sort_key)]
 
 
 @dataclass
 class Run:
-    """One run's metrics: `series[key] = (steps, values)` (non-null numeric values only)."""
+    """One run's metrics: `series[key] = (steps, values)` (non-null numeric values only);
+    `features["DAA" | "dynamic sampling"]` = on/off from the run's config.yaml (absent: unknown)."""
 
     name: str
     path: Path
     series: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
     summary: dict = field(default_factory=dict)
+    features: dict[str, bool] = field(default_factory=dict)
+
+
+def _read_config(path: Path) -> dict:
+    cfile = path / "config.yaml"
+    if not cfile.is_file():
+        return {}
+    import yaml
+
+    try:
+        cfg = yaml.safe_load(cfile.read_text())
+    except yaml.YAMLError:
+        return {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def _get(cfg: dict, dotted: str):
+    for part in dotted.split("."):
+        if not isinstance(cfg, dict):
+            return None
+        cfg = cfg.get(part)
+    return cfg
+
+
+def _add_solve_shares(run: Run, cfg: dict) -> None:
+    """`train/solve_{none,all}_frac` = count / generated groups of the step (`train/generated_groups`,
+    else generation batches x `data.gen_batch_size` or `data.train_batch_size` from config.yaml)."""
+    if "train/generated_groups" in run.series:
+        denom = dict(zip(*run.series["train/generated_groups"]))
+    else:
+        per_batch = _get(cfg, "data.gen_batch_size") or _get(cfg, "data.train_batch_size")
+        if not isinstance(per_batch, int) or "train/num_gen_batches" not in run.series:
+            return
+        denom = {s: v * per_batch for s, v in zip(*run.series["train/num_gen_batches"])}
+    for name in ("solve_none", "solve_all"):
+        if f"train/{name}" not in run.series:
+            continue
+        pts = [(s, v / denom[s]) for s, v in zip(*run.series[f"train/{name}"]) if denom.get(s)]
+        if pts:
+            run.series[f"train/{name}_frac"] = ([s for s, _ in pts], [v for _, v in pts])
+
+
+def _add_mixed_groups(run: Run, cfg: dict) -> None:
+    """`train/mixed_groups`: groups trained on whose responses are not all correct or all wrong (the
+    ones with a non-zero binary-reward advantage). Dynamic sampling on `acc` keeps only such groups
+    (= kept groups); without it every generated group is trained on (= kept - solve_all - solve_none)."""
+    kept = run.series.get("train/kept_groups")
+    ds = run.features.get("dynamic sampling")
+    if not kept or ds is None:
+        return
+    if ds:
+        if _get(cfg, "algorithm.filter_groups.metric") == "acc":
+            run.series["train/mixed_groups"] = (list(kept[0]), list(kept[1]))
+        return
+    solved = {}
+    for name in ("solve_none", "solve_all"):
+        if f"train/{name}" not in run.series:
+            return
+        for s, v in zip(*run.series[f"train/{name}"]):
+            solved[s] = solved.get(s, 0.0) + v
+    pts = [(s, v - solved[s]) for s, v in zip(*kept) if s in solved]
+    run.series["train/mixed_groups"] = ([s for s, _ in pts], [v for _, v in pts])
 
 
 def load_run(run_dir: str | os.PathLike, name: Optional[str] = None) -> Run:
-    """Read `<run_dir>/metrics.jsonl` (and summary.json when present).
+    """Read `<run_dir>/metrics.jsonl` (and summary.json and config.yaml when present).
+
+    Adds `train/solve_none_frac` and `train/solve_all_frac` (shares of the generated groups, see
+    `_add_solve_shares`), `train/mixed_groups` (`_add_mixed_groups`) and `Run.features` from config.yaml.
 
     Raises:
         FileNotFoundError: no metrics.jsonl in run_dir.
@@ -114,6 +194,12 @@ def load_run(run_dir: str | os.PathLike, name: Optional[str] = None) -> Run:
             run.summary = json.loads((path / "summary.json").read_text())
         except json.JSONDecodeError:
             run.summary = {}
+    cfg = _read_config(path)
+    for feature, key in (("DAA", "algorithm.daa.enable"), ("dynamic sampling", "algorithm.filter_groups.enable")):
+        if isinstance(_get(cfg, key), bool):
+            run.features[feature] = _get(cfg, key)
+    _add_solve_shares(run, cfg)
+    _add_mixed_groups(run, cfg)
     return run
 
 
@@ -128,6 +214,8 @@ def _moving_average(values: list[float], window: int) -> list[float]:
 
 
 def _expand(pattern: str, runs: Sequence[Run]) -> list[str]:
+    if "|" in pattern:  # alternatives: the first one any run has
+        return next((keys for alt in pattern.split("|") if (keys := _expand(alt, runs))), [])
     if not pattern.endswith("*"):
         return [pattern] if any(pattern in r.series for r in runs) else []
     keys = sorted({k for r in runs for k in r.series if k.startswith(pattern[:-1])})
@@ -144,79 +232,136 @@ def _unique_names(runs: Sequence[Run]) -> None:
             seen[r.name] = 1
 
 
-def plot_panel(runs: Sequence[Run], title: str, metrics: list[tuple[str, str]], out_png: Path,
+def plot_panel(runs: Sequence[Run], title: str, metrics: list[tuple[str, str, str]], out_png: Path,
                smooth: Optional[int] = None) -> bool:
-    """Draw one panel to `out_png`; False (nothing written) when no run has any of its metrics."""
+    """Draw one panel to `out_png`; False (nothing written) when no run has any of its metrics.
+
+    Args:
+        metrics: `(pattern, subplot title, y-axis label)`; a pattern is a key, `prefix*` (every
+            matching key in one plot, e.g. `eval/avg@*` for each n) or `a|b` (the first present).
+        smooth: moving-average window in steps (None: about 1/15 of the points, 1 below 30).
+    """
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import MaxNLocator
 
-    subplots, all_zero = [], []
-    for pattern, sub_title in metrics:
-        keys = _expand(pattern, runs)  # a `prefix*` pattern (eval/avg@*): every n in one plot
+    is_eval = title.startswith("Evaluation")
+    subplots, all_zero, feature_off = [], [], {}
+    for pattern, sub_title, ylabel in metrics:
+        keys = _expand(pattern, runs)
         if not keys:
             continue
-        values = [v for r in runs for k in keys if k in r.series for v in r.series[k][1]]
-        if values and all(v == 0 for v in values):
-            all_zero.append(pattern)
+        feature = _FEATURE_OF.get(keys[0])
+        drawn = [r for r in runs if not (feature and r.features.get(feature) is False)]
+        if feature and len(drawn) < len(runs):
+            feature_off[feature] = [r.name for r in runs if r not in drawn]
+        values = [v for r in drawn for k in keys if k in r.series for v in r.series[k][1]]
+        if not values:
             continue
-        subplots.append((keys, sub_title, pattern))
+        if all(v == 0 for v in values):
+            all_zero.append(keys[0] if len(keys) == 1 else pattern)
+            continue
+        subplots.append((keys, sub_title, ylabel, drawn))
     if not subplots:
         return False
     ncols = 2 if len(subplots) == 4 else min(3, len(subplots))
     nrows = math.ceil(len(subplots) / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(5.2 * ncols, 3.3 * nrows + 0.6), squeeze=False)
+    fig_w = max(5.2 * ncols, 8.0)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    is_eval = title.startswith("Evaluation")
-    for ax, (keys, label, pattern) in zip(axes.flat, subplots):
-        lo = None
-        for i, run in enumerate(runs):
-            c = colors[i % len(colors)]
+    color_of = {id(r): colors[i % len(colors)] for i, r in enumerate(runs)}
+
+    notes, windows = [], set()
+    if not is_eval:
+        notes.append("")  # smoothing note, filled in below
+    if all_zero:
+        notes.append("zero throughout in every run (not drawn): " + ", ".join(all_zero))
+    for feature, names in feature_off.items():
+        notes.append(f"{feature} off (not drawn): " + ", ".join(names))
+    wrap = int(fig_w * 16)
+    legend_rows = math.ceil(len(runs) / 4)
+    head_in = 0.4 + 0.25 * legend_rows
+    fig_h = 3.3 * nrows + head_in + 0.2
+    fig, axes = plt.subplots(nrows, ncols, figsize=(fig_w, fig_h), squeeze=False)
+    last_step = max((st[-1] for r in runs for st, _ in r.series.values() if st), default=1) or 1
+    for ax, (keys, label, ylabel, drawn) in zip(axes.flat, subplots):
+        lo = hi = None
+        for run in drawn:
+            c = color_of[id(run)]
             mine = [k for k in keys if k in run.series]
             for j, key in enumerate(mine):
                 steps, vals = run.series[key]
                 lo = min(vals) if lo is None else min(lo, min(vals))
+                hi = max(vals) if hi is None else max(hi, max(vals))
                 name = run.name if len(keys) == 1 else f"{run.name} ({key.split('/')[-1]})"
                 style = ["-", "--", ":", "-."][j % 4]
                 if is_eval or len(vals) <= 3:
+                    if is_eval and len(vals) > 1:
+                        name += f": {vals[0]:.3f} \u2192 {vals[-1]:.3f}"
+                    elif is_eval:
+                        name += f": {vals[0]:.3f}"
                     ax.plot(steps, vals, marker="o", ls=style, color=c, lw=1.8, ms=5, label=name)
-                    if is_eval and vals:
-                        ax.annotate(f"{vals[-1]:.3f}", (steps[-1], vals[-1]), textcoords="offset points",
-                                    xytext=(4, 4), fontsize=8, color=c)
                     continue
                 w = smooth or max(1, len(vals) // 15)
                 if w > 1:
-                    ax.plot(steps, vals, color=c, lw=0.8, alpha=0.25)
+                    windows.add(w)
+                    ax.plot(steps, vals, color=c, lw=0.8, alpha=0.3)
                     ax.plot(steps, _moving_average(vals, w), ls=style, color=c, lw=2.0, label=name)
                 else:
                     ax.plot(steps, vals, ls=style, color=c, lw=1.8, label=name)
-        if "format_valid" in pattern and lo is not None:  # a share near 1: do not magnify 0.999 vs 1.0
-            ax.set_ylim(min(0.9, lo - 0.01), 1.005)
-        ax.set_title(f"{label}\n[{pattern}]", fontsize=10)
-        ax.set_xlabel("step", fontsize=9)
+        if lo is not None:
+            if ylabel.startswith("share") and "format-valid" in label:  # near 1: do not magnify 0.999 vs 1.0
+                ax.set_ylim(min(0.9, lo - 0.01), 1.005)
+            elif is_eval and ylabel in ("accuracy", "share of problems", "avg@n"):
+                ax.set_ylim(0, 1)  # same scale for every run and level
+            elif keys[0] in _COUNT_KEYS:
+                ax.set_ylim(0, max(1.0, hi) * 1.15)
+                ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+            elif hi - lo <= 1e-12 * max(1.0, abs(hi)):  # constant: no magnified noise axis
+                ax.set_ylim(min(0.0, lo), max(0.0, hi) * 1.25 or 1.0)
+        shown_key = keys[0] if len(keys) == 1 else "|".join(sorted({k.rsplit("@", 1)[0] + "@*" for k in keys}))
+        ax.set_title(label, fontsize=10.5)
+        ax.set_xlabel(f"RL step    [{shown_key}]", fontsize=8.5)
+        ax.set_ylabel(ylabel, fontsize=9)
+        ax.set_xlim(-0.02 * last_step, 1.02 * last_step)  # every panel spans the runs' steps
         ax.tick_params(labelsize=8)
         ax.grid(True, alpha=0.3)
-        if len(keys) > 1:
-            ax.legend(fontsize=7, frameon=False)
+        if is_eval or len(keys) > 1:
+            ax.legend(fontsize=7.5, frameon=False, loc="best")
     for ax in list(axes.flat)[len(subplots):]:
         ax.axis("off")
-    from matplotlib.lines import Line2D
+    if not is_eval:
+        notes[0] = ("faint: per step; bold: moving average over " + "/".join(map(str, sorted(windows))) + " steps"
+                    if windows else "per step (no smoothing)")
+    note = textwrap.fill("; ".join(n for n in notes if n), wrap)
+    note_in = 0.2 * (note.count("\n") + 1) if note else 0.0
+    fig.set_size_inches(fig_w, fig_h + note_in)
+    fig_h += note_in
 
-    shown = [i for i, r in enumerate(runs) if any(k in r.series for keys, _, _ in subplots for k in keys)]
-    handles = [Line2D([], [], color=colors[i % len(colors)], lw=2.5) for i in shown]
-    labels = [runs[i].name for i in shown]
-    fig.suptitle(title, fontsize=13, fontweight="bold")
-    fig.legend(handles, labels, loc="upper right", ncol=min(len(labels), 4), fontsize=9, frameon=False)
-    note = "" if is_eval else f"faint: per step; bold: moving average ({'auto' if not smooth else smooth} steps)"
-    if all_zero:
-        note += ("; " if note else "") + "zero throughout (not drawn): " + ", ".join(all_zero)
+    shown = [r for r in runs if any(r in drawn and any(k in r.series for k in keys) for keys, _, _, drawn in subplots)]
+    handles = [Line2D([], [], color=color_of[id(r)], lw=2.5) for r in shown]
+    labels = [_legend_name(r, title) for r in shown]
+    fig.suptitle(title, fontsize=13, fontweight="bold", y=1 - 0.08 / fig_h, va="top")
+    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 1 - 0.42 / fig_h), ncol=min(len(labels), 4),
+               fontsize=9.5, frameon=False)
     if note:
-        fig.text(0.01, 0.005, note, fontsize=8, color="gray")
-    fig.tight_layout(rect=(0, 0.02, 1, 1 - 0.45 / (3.3 * nrows + 0.6)))
+        fig.text(0.01, 0.008, note, fontsize=8, color="dimgray", va="bottom")
+    fig.tight_layout(rect=(0, (note_in + 0.05) / fig_h, 1, 1 - head_in / fig_h))
     fig.savefig(out_png, dpi=90)
     plt.close(fig)
     return True
+
+
+def _legend_name(run: Run, title: str) -> str:
+    """Run name; in the dynamic-sampling/DAA panel with the features that are off (from config.yaml)."""
+    if not title.startswith("Dynamic sampling"):
+        return run.name
+    off = [f for f in ("dynamic sampling", "DAA") if run.features.get(f) is False]
+    return f"{run.name} ({' off, '.join(off)} off)" if off else run.name
 
 
 def _summary_table(runs: Sequence[Run]) -> str:

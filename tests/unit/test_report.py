@@ -102,4 +102,56 @@ def test_report_level_panel_reads_level_keys(tmp_path):
     # numeric order (10 after 9), one plot per level, only avg@n keys count as levels
     run.series["eval/level_10/avg@8"] = ([0], [0.1])
     run.series["eval/level_9/pass@8"] = ([0], [0.1])
-    assert level_metrics([run]) == [(f"eval/level_{lv}/avg@*", f"level {lv}") for lv in (1, 2, 3, 4, 5, 10)]
+    assert level_metrics([run]) == [(f"eval/level_{lv}/avg@*", f"level {lv}", "avg@n") for lv in (1, 2, 3, 4, 5, 10)]
+
+
+def _write_sampling_run(d: Path, ds: bool, daa: bool, gen_batch_size, logged_generated: bool) -> None:
+    d.mkdir(parents=True)
+    cfg = (f"data:\n  train_batch_size: 16\n  gen_batch_size: {gen_batch_size}\nalgorithm:\n"
+           f"  filter_groups:\n    enable: {str(ds).lower()}\n    metric: acc\n  daa:\n    enable: {str(daa).lower()}\n")
+    (d / "config.yaml").write_text(cfg)
+    rows = [{"step": 1, "train/num_gen_batches": 2 if ds else 1, "train/kept_groups": 16, "train/solve_none": 6,
+             "train/solve_all": 3, "train/daa_amplified_frac": 0.1 if daa else 0.0, "train/daa_factor_mean": 1.5},
+            {"step": 2, "train/num_gen_batches": 1, "train/kept_groups": 16, "train/solve_none": 3,
+             "train/solve_all": 1, "train/daa_amplified_frac": 0.2 if daa else 0.0, "train/daa_factor_mean": 1.25}]
+    if logged_generated:
+        rows[0]["train/generated_groups"], rows[1]["train/generated_groups"] = 40, 20
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_solve_shares_mixed_groups_and_features(tmp_path):
+    # dynamic sampling with 24-group generation batches: 2 batches = 48 generated groups at step 1
+    _write_sampling_run(tmp_path / "dapo", ds=True, daa=True, gen_batch_size=24, logged_generated=False)
+    run = load_run(tmp_path / "dapo")
+    assert run.features == {"DAA": True, "dynamic sampling": True}
+    assert run.series["train/solve_none_frac"] == ([1, 2], [6 / 48, 3 / 24])
+    assert run.series["train/solve_all_frac"] == ([1, 2], [3 / 48, 1 / 24])
+    assert run.series["train/mixed_groups"] == ([1, 2], [16, 16])  # filtered on acc: every kept group is mixed
+    # logged train/generated_groups wins over the config estimate
+    _write_sampling_run(tmp_path / "logged", ds=True, daa=True, gen_batch_size=24, logged_generated=True)
+    assert load_run(tmp_path / "logged").series["train/solve_none_frac"] == ([1, 2], [6 / 40, 3 / 20])
+    # no dynamic sampling: gen_batch_size null -> train_batch_size 16; mixed = kept - all-wrong - all-correct
+    _write_sampling_run(tmp_path / "grpo", ds=False, daa=False, gen_batch_size="null", logged_generated=False)
+    grpo = load_run(tmp_path / "grpo")
+    assert grpo.features == {"DAA": False, "dynamic sampling": False}
+    assert grpo.series["train/solve_none_frac"] == ([1, 2], [6 / 16, 3 / 16])
+    assert grpo.series["train/mixed_groups"] == ([1, 2], [16 - 6 - 3, 16 - 3 - 1])
+    # without config.yaml: features unknown, no derived series
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "metrics.jsonl").write_text((tmp_path / "grpo" / "metrics.jsonl").read_text())
+    bare = load_run(tmp_path / "bare")
+    assert bare.features == {} and "train/solve_none_frac" not in bare.series and "train/mixed_groups" not in bare.series
+
+
+def test_daa_metrics_not_drawn_for_runs_with_daa_off(tmp_path):
+    from megatron_rl.report import PANELS, plot_panel
+
+    _write_sampling_run(tmp_path / "grpo", ds=False, daa=False, gen_batch_size="null", logged_generated=False)
+    metrics = next(m for _, stem, m in PANELS if stem == "sampling")
+    daa_only = [m for m in metrics if m[0].startswith("train/daa")]
+    # only a DAA-off run: its constant DAA series (factor 1.5 here) are left out, so no panel
+    assert not plot_panel([load_run(tmp_path / "grpo")], "Dynamic sampling and DAA", daa_only, tmp_path / "x.png")
+    _write_sampling_run(tmp_path / "da3po", ds=True, daa=True, gen_batch_size=24, logged_generated=False)
+    assert plot_panel([load_run(tmp_path / "grpo"), load_run(tmp_path / "da3po")], "Dynamic sampling and DAA",
+                      metrics, tmp_path / "y.png")
+    assert (tmp_path / "y.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
