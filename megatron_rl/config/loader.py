@@ -365,8 +365,27 @@ def environment_checks(cfg: Config) -> list[tuple[str, callable]]:
                 f"actor.ppo_mini_batch_size x rollout.n = {mini} sequences per mini-batch do not split over "
                 f"{dp} data-parallel ranks (world {world} / TP*PP*CP {mp})"
             )
-        if t.context_parallel_size > 1:
-            raise RuntimeError("trainer.context_parallel_size > 1 is not supported by the trainer yet (set it to 1)")
+
+    def context_parallel() -> str | None:
+        cp = t.context_parallel_size
+        if cp == 1:
+            return "not applicable: trainer.context_parallel_size is 1"
+        from megatron_rl.models.builder import transformer_engine_usable
+
+        if not transformer_engine_usable():
+            raise RuntimeError(
+                f"trainer.context_parallel_size={cp} needs trainer.transformer_impl=transformer_engine (auto picks it "
+                "when TE is usable) with Transformer Engine installed and a CUDA GPU: megatron-core runs context "
+                "parallelism only in TE's attention "
+                "(TEDotProductAttention); its local attention, the one used without TE (e.g. on CPU), refuses "
+                "context_parallel_size > 1. Set trainer.context_parallel_size=1"
+            )
+        raise RuntimeError(
+            f"trainer.context_parallel_size={cp}: Transformer Engine is available, but this trainer does not implement "
+            "context parallelism: it does not split each sequence over the context-parallel ranks (megatron-core's "
+            "get_batch_on_this_cp_rank chunks) nor gather the per-token log-probs back. Set "
+            "trainer.context_parallel_size=1 and use tensor/pipeline/data parallelism"
+        )
 
     def sequence_parallel() -> str | None:
         if not t.sequence_parallel:
@@ -446,6 +465,7 @@ def environment_checks(cfg: Config) -> list[tuple[str, callable]]:
         ("Transformer Engine and CUDA for trainer.transformer_impl=transformer_engine", transformer_impl),
         ("Transformer Engine and a Hopper GPU for FP8", fp8),
         ("Transformer Engine for sequence parallelism", sequence_parallel),
+        ("context parallelism (Transformer Engine attention)", context_parallel),
         ("model.path holds a Hugging Face model", model_files),
         ("rollout servers reachable (rollout.server_urls)", servers),
     ]

@@ -477,6 +477,10 @@ class TrainerConfig:
         if self.sequence_parallel and self.transformer_impl == "local":
             raise ValueError("trainer.sequence_parallel needs trainer.transformer_impl: transformer_engine (or "
                              "auto): megatron-core's local spec has no sequence-parallel norms")
+        if self.context_parallel_size > 1 and self.transformer_impl == "local":
+            raise ValueError("trainer.context_parallel_size > 1 needs trainer.transformer_impl: transformer_engine: "
+                             "megatron-core runs context parallelism only in Transformer Engine's attention "
+                             "(TEDotProductAttention); the local spec's attention refuses it")
         if self.fp8_param_gather and (self.fp8 is None or not self.use_distributed_optimizer):
             raise ValueError("trainer.fp8_param_gather needs trainer.fp8 and trainer.use_distributed_optimizer")
         _choice("trainer", "recompute", self.recompute, (None, "selective", "full"))
