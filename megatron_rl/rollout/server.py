@@ -861,9 +861,31 @@ class ServerState:
     recv_buffer: torch.Tensor | None = None
     """Receive buffer of flattened buckets, grown to the largest bucket seen."""
     lock: _ModelUpdateLock = field(default_factory=_ModelUpdateLock)
+    update_calls: int = 0
+    """``/update_weights_from_distributed`` calls seen (numbering for ``FAULT_REFUSE_UPDATES_ENV``)."""
     control_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(4, thread_name_prefix="control")
     )
+
+
+FAULT_REFUSE_UPDATES_ENV = "MEGATRON_RL_FAULT_REFUSE_WEIGHT_UPDATES"
+"""Fault injection, for tests of the trainer's sync retry: a comma-separated list of 1-based
+``/update_weights_from_distributed`` call numbers that this server refuses (HTTP 400, before joining
+the broadcast, as a server that rejects a bucket does). Unset in normal use."""
+
+
+def _fault_refused_update_calls() -> frozenset[int]:
+    """The call numbers of ``FAULT_REFUSE_UPDATES_ENV``. Raises ValueError naming the variable on junk."""
+    raw = os.environ.get(FAULT_REFUSE_UPDATES_ENV, "").strip()
+    if not raw:
+        return frozenset()
+    try:
+        calls = frozenset(int(x) for x in raw.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"{FAULT_REFUSE_UPDATES_ENV}={raw!r}: expected comma-separated call numbers like 2,3") from None
+    if any(c < 1 for c in calls):
+        raise ValueError(f"{FAULT_REFUSE_UPDATES_ENV}={raw!r}: call numbers start at 1")
+    return calls
 
 
 def build_app(state: ServerState):
@@ -1257,9 +1279,16 @@ def build_app(state: ServerState):
 
         return await with_write_lock(run)
 
+    refuse_calls = _fault_refused_update_calls()
+
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: Request):
         body = await parse(request, UpdateDistBody)
+        state.update_calls += 1
+        if state.update_calls in refuse_calls:  # fault injection for tests (FAULT_REFUSE_UPDATES_ENV)
+            logger.warning("refusing update_weights_from_distributed call %d (%s)", state.update_calls,
+                           FAULT_REFUSE_UPDATES_ENV)
+            return fail(f"Failed to update weights: call {state.update_calls} refused by {FAULT_REFUSE_UPDATES_ENV}")
         if not state.session_open:
             return fail(
                 "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"

@@ -1,0 +1,78 @@
+"""Weight-sync failures with a multi-process trainer (TP=2, two ranks): the real CLI, a real embedded
+rollout server told to refuse chosen ``/update_weights_from_distributed`` calls (its fault-injection
+variable, ``megatron_rl.rollout.server.FAULT_REFUSE_UPDATES_ENV``). One refused sync is retried with
+a new group and the run's metrics equal those of a run without faults; two in a row stop every
+rank promptly with the error naming the version, the last complete checkpoint intact, no server
+left behind (issue 5: "a sync that fails is retried once, then the run stops with a clear error").
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_rl.rollout.server import FAULT_REFUSE_UPDATES_ENV
+from tests.e2e.test_resume import _no_server_left, _wall_clock
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(1500)
+STEPS = 2
+
+
+def _run(run_dir: Path, refuse: str | None) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env.pop(FAULT_REFUSE_UPDATES_ENV, None)
+    if refuse:
+        env[FAULT_REFUSE_UPDATES_ENV] = refuse
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_rl.cli", "train", "--config", str(ROOT / "examples/tiny/ci.yaml"),
+         f"run_dir={run_dir}", f"trainer.total_training_steps={STEPS}", "trainer.progress_bar=false",
+         "trainer.save_interval=1", "eval.max_problems=8", "eval.n=1", "eval.interval=0",
+         "data.train_batch_size=4", "data.gen_batch_size=6", "rollout.n=4", "actor.ppo_mini_batch_size=4",
+         "trainer.nproc_per_node=2", "trainer.tensor_model_parallel_size=2", "rollout.enable_deterministic_inference=true"],
+        capture_output=True, text=True, timeout=1200, cwd=ROOT, env=env,
+    )
+
+
+def _steps(run_dir: Path) -> dict[int, dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows if "train/acc" in r}
+
+
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("clean") / "run"
+    out = _run(run_dir, None)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return _steps(run_dir)
+
+
+def test_one_refused_sync_is_retried_and_changes_nothing(clean_run, tmp_path):
+    run_dir = tmp_path / "run"
+    out = _run(run_dir, "2")  # call 1 is the sync to version 0 at start-up; call 2 follows step 1
+    assert out.returncode == 0, out.stderr[-4000:]
+    log = (run_dir / "train.log").read_text()
+    assert "retrying once with a new group" in log and "succeeded on the retry" in log, log[-3000:]
+    got = _steps(run_dir)
+    assert sorted(got) == sorted(clean_run) == list(range(1, STEPS + 1))
+    for step, want in clean_run.items():
+        for key, value in want.items():
+            if _wall_clock(key) or key == "train/rollout_logprob_abs_diff":
+                continue
+            assert got[step][key] == value, (step, key)
+    assert _no_server_left(run_dir)
+
+
+def test_two_refused_syncs_stop_every_rank_with_the_checkpoint_intact(tmp_path):
+    run_dir = tmp_path / "run"
+    out = _run(run_dir, "3,4")  # versions 0 and 1 sync; version 2 (after step 2) fails, and its retry
+    assert out.returncode != 0
+    assert "weight sync to version 2 failed twice" in out.stderr, out.stderr[-4000:]
+    assert "rerun the same command to resume" in out.stderr
+    ckpts = run_dir / "checkpoints"
+    assert (ckpts / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    assert not (ckpts / "iter_0000002").exists()
+    assert _no_server_left(run_dir)
