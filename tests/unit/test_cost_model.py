@@ -1,0 +1,115 @@
+"""benchmarks/cost_model.py against hand-computed cases (docs/cost_model.md has the formulas)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+GIB = 2**30
+
+
+@pytest.fixture(scope="module")
+def cm():
+    spec = importlib.util.spec_from_file_location("cost_model", REPO / "benchmarks" / "cost_model.py")
+    mod = importlib.util.module_from_spec(spec)
+    import sys
+
+    sys.modules["cost_model"] = mod  # dataclasses resolve their module by name
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_qwen25_32b_parameter_count(cm):
+    shape = cm.ModelShape.from_hf_config(json.loads((REPO / "examples/qwen2.5-32b/config.json").read_text()))
+    # q 5120*5120 + 5120 bias, k and v 5120*1024 + 1024 each, o 5120*5120, MLP 3*5120*27648, 2 norms of 5120
+    layer = (5120 * 5120 + 5120) + 2 * (5120 * 1024 + 1024) + 5120 * 5120 + 3 * 5120 * 27648 + 2 * 5120
+    assert layer == 487_605_248
+    assert shape.params_per_layer() == layer
+    # 64 layers + untied embedding and output (152064 x 5120 each) + final norm
+    assert shape.total_params() == 64 * layer + 2 * 152064 * 5120 + 5120 == 32_763_876_352
+    # KV cache per token on one GPU of TP 4: 2 (K, V) x 64 layers x 2 KV heads x 128 x 2 bytes
+    assert shape.kv_bytes_per_token(4) == 65_536
+
+
+def test_memory_per_gpu_hand_computed_case(cm):
+    """h 1024, f 4096, 8 layers, 16 heads, 4 KV heads (d 64), vocabulary 32000, untied, QKV bias;
+    TP 2 x PP 2 x DP 2, sequence parallel, distributed optimizer, full recompute, one 4096-token
+    micro-batch, 8 micro-batches an update."""
+    shape = cm.ModelShape(hidden=1024, ffn=4096, layers=8, heads=16, kv_heads=4, vocab=32000)
+    layout = cm.TrainLayout(tp=2, pp=2, dp=2, seq_len=4096, microbatches_per_update=8)
+    # layer: q 1024^2, k+v 2*1024*256, o 1024^2, biases 1024+512, MLP 3*1024*4096, norms 2048
+    assert shape.params_per_layer() == 15_207_936
+    # per GPU: 4 layers / TP 2 + embedding (vocab 32000 is a multiple of 128 x 2) / TP 2 [+ final norm]
+    params = cm.stage_params(shape, layout)
+    assert params["first"] == 4 * 15_207_936 / 2 + 32000 * 1024 / 2 == 46_799_872
+    assert params["last"] == 46_799_872 + 1024
+    m = cm.memory_per_gpu(shape, layout)
+    assert m["stage"] == "last"
+    last = 46_800_896
+    static = last * (2 + 4 + 12 / 2)  # bf16 weights + fp32 grads + (fp32 params, Adam m, v) / DP
+    kept = 1 * 4 * (2 * 1024 * 4096 / 2)  # 1 micro-batch in flight, 4 layers, layer input 2 s h / TP
+    # one layer without recompute, bytes per token / TP: sharded (Q 2h, K+V 4gd, attention out 2h,
+    # FC1 out 4f, SwiGLU out 2f, lse 4a) + replicated-without-SP (norm inputs 4h, QKV in 2h, FC1 in 2h)
+    per_token = (2 * 1024 + 4 * 256 + 2 * 1024 + 6 * 4096 + 4 * 16 + 8 * 1024) / 2
+    assert per_token == 18_976
+    working = 2 * per_token * 4096  # recomputed activations + their gradients
+    logits = 4096 * 16000 * 22  # tokens x vocabulary / TP x 22 bytes
+    frag = 0.1 * (kept + working + logits)
+    total = static + kept + working + logits + frag + 5 * GIB
+    assert total == pytest.approx(7_705_742_540.8)
+    assert m["total_gib"] == pytest.approx(total / GIB, rel=1e-12)
+    assert m["stages"]["first"] == pytest.approx(
+        (46_799_872 * 12 + 2 * 4 * 4_194_304 + working + 0.1 * (2 * 4 * 4_194_304 + working) + 5 * GIB) / GIB)
+
+
+def test_selective_and_no_recompute_keep_every_layers_activations(cm):
+    shape = cm.ModelShape(hidden=1024, ffn=4096, layers=8, heads=16, kv_heads=4, vocab=32000)
+    full = cm.memory_per_gpu(shape, cm.TrainLayout(tp=2, pp=2, dp=2, seq_len=4096, microbatches_per_update=8))
+    sel = cm.memory_per_gpu(shape, cm.TrainLayout(tp=2, pp=2, dp=2, seq_len=4096, microbatches_per_update=8,
+                                                  recompute="selective"))
+    first = sel["per_stage_items"]["first"]
+    kept = next(v for k, v in first.items() if k.startswith("activations kept"))
+    # first stage: 2 micro-batches in flight x 4 layers x 18976 bytes/token x 4096 tokens
+    assert kept == pytest.approx(2 * 4 * 18_976 * 4096 / GIB)
+    assert sel["total_gib"] > full["total_gib"]
+
+
+def test_layout_errors_name_the_setting(cm):
+    shape = cm.ModelShape(hidden=1024, ffn=4096, layers=8, heads=16, kv_heads=4, vocab=32000)
+    with pytest.raises(ValueError, match="pipeline_model_parallel_size 3"):
+        cm.stage_params(shape, cm.TrainLayout(tp=1, pp=3, dp=1, seq_len=16))
+    with pytest.raises(ValueError, match="tensor_model_parallel_size 3"):
+        cm.stage_params(shape, cm.TrainLayout(tp=3, pp=1, dp=1, seq_len=16))
+    with pytest.raises(ValueError, match="recompute"):
+        cm.TrainLayout(tp=1, pp=1, dp=1, seq_len=16, recompute="some")
+    with pytest.raises(KeyError, match="hidden_size"):
+        cm.ModelShape.from_hf_config({"num_hidden_layers": 2})
+
+
+def test_decode_iteration_hand_computed(cm):
+    shape = cm.QWEN25_32B
+    t = cm.decode_iteration_s(shape, cm.H100, 4, 100, 1000.0)
+    weights = 32_763_876_352 * 2 / 4
+    kv = 100 * 1000 * 65_536
+    t_mem = (weights + kv) / (3.35e12 * 0.6)
+    t_flops = (2 * 32_763_876_352 / 4 * 100 + 4 * 100 * 1000 * 5120 * 64 / 4) / (989e12 * 0.5)
+    assert t_mem > t_flops  # memory-bound at batch 100
+    assert t == pytest.approx(t_mem + 2 * 64 * 20e-6 + 2e-3)
+    eng = cm.engine_memory(shape, cm.H100, cm.RolloutEngine(tp=4, mem_fraction=0.85))
+    assert eng["weights_gib"] == pytest.approx(weights / GIB)
+    assert eng["kv_tokens"] == pytest.approx((0.85 * 79.6 * GIB - weights) / 65_536)
+
+
+def test_recipe_layouts_match_the_yaml_and_sbatch(cm):
+    rows = {r["recipe"]: r for r in cm.recipe_layouts()}
+    d = rows["dapo"]
+    assert (d["layout"].tp, d["layout"].pp, d["layout"].dp) == (8, 2, 2)
+    assert d["layout"].seq_len == 2048 + 20480 and d["layout"].recompute == "full"
+    assert (d["trainer_nodes"], d["rollout_nodes"], d["rollout_tp"]) == (4, 4, 4)
+    assert rows["grpo"]["layout"].ref_model and not d["layout"].ref_model
+    for r in rows.values():  # every recipe's layout fits an H100 80GB with room to spare
+        assert cm.memory_per_gpu(cm.QWEN25_32B, r["layout"])["total_gib"] < 0.6 * cm.H100.memory_gib
