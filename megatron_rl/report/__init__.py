@@ -284,7 +284,7 @@ def plot_panel(runs: Sequence[Run], title: str, metrics: list[tuple[str, str, st
         notes.append(f"{feature} off (not drawn): " + ", ".join(names))
     wrap = int(fig_w * 16)
     legend_rows = math.ceil(len(runs) / 4)
-    head_in = 0.4 + 0.25 * legend_rows
+    head_in = 0.3 + 0.22 * legend_rows
     fig_h = 3.3 * nrows + head_in + 0.2
     fig, axes = plt.subplots(nrows, ncols, figsize=(fig_w, fig_h), squeeze=False)
     last_step = max((st[-1] for r in runs for st, _ in r.series.values() if st), default=1) or 1
@@ -345,12 +345,13 @@ def plot_panel(runs: Sequence[Run], title: str, metrics: list[tuple[str, str, st
     shown = [r for r in runs if any(r in drawn and any(k in r.series for k in keys) for keys, _, _, drawn in subplots)]
     handles = [Line2D([], [], color=color_of[id(r)], lw=2.5) for r in shown]
     labels = [_legend_name(r, title) for r in shown]
-    fig.suptitle(title, fontsize=13, fontweight="bold", y=1 - 0.08 / fig_h, va="top")
-    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 1 - 0.42 / fig_h), ncol=min(len(labels), 4),
-               fontsize=9.5, frameon=False)
+    # layout the plots first (tight_layout would also make room for a suptitle), then title, legend, note
+    fig.tight_layout(rect=(0, (note_in + 0.05) / fig_h, 1, 1 - head_in / fig_h))
+    fig.suptitle(title, fontsize=13, fontweight="bold", y=1 - 0.06 / fig_h, va="top")
+    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 1 - 0.28 / fig_h), ncol=min(len(labels), 4),
+               fontsize=9.5, frameon=False, borderaxespad=0.0, borderpad=0.2)
     if note:
         fig.text(0.01, 0.008, note, fontsize=8, color="dimgray", va="bottom")
-    fig.tight_layout(rect=(0, (note_in + 0.05) / fig_h, 1, 1 - head_in / fig_h))
     fig.savefig(out_png, dpi=90)
     plt.close(fig)
     return True
@@ -365,17 +366,27 @@ def _legend_name(run: Run, title: str) -> str:
 
 
 def _summary_table(runs: Sequence[Run]) -> str:
-    head = ["run", "steps", "wall (min)", "eval before", "eval after", "path"]
+    """One row a run: steps, wall time, each held-out metric of summary.json as `before -> after`."""
+    def ev_keys(r: Run) -> list[str]:
+        return [m for k in ("eval_before", "eval_after") for m, v in (r.summary.get(k) or {}).items()
+                if isinstance(v, float) and m != "wall_s"]
+    order = {"avg": 0, "pas": 1, "gre": 2, "for": 3}
+    metrics = sorted({m for r in runs for m in ev_keys(r)}, key=lambda m: (order.get(m[:3], 4), m))
+    head = ["run", "steps", "wall (min)", *[f"held-out {m} (before \u2192 after)" for m in metrics], "path"]
     rows = []
     for r in runs:
         steps = max((s[-1] for s, _ in r.series.values() if s), default=0)
         wall = r.summary.get("wall_s")
-        evs = []
-        for k in ("eval_before", "eval_after"):
-            ev = r.summary.get(k) or {}
-            evs.append(", ".join(f"{m} {ev[m]:.3f}" for m in ev if isinstance(ev[m], float) and m != "wall_s"
-                                 and not m.startswith("num")) or "-")
-        rows.append([r.name, str(r.summary.get("steps", steps)), f"{wall / 60:.1f}" if wall else "-", *evs, str(r.path)])
+        before, after = r.summary.get("eval_before") or {}, r.summary.get("eval_after") or {}
+        cells = []
+        for m in metrics:
+            b, a = before.get(m), after.get(m)
+            if not isinstance(b, float) and not isinstance(a, float):
+                cells.append("-")
+                continue
+            cells.append(" \u2192 ".join(f"{v:.3f}" if isinstance(v, float) else "-" for v in (b, a))
+                         + (f" ({a - b:+.3f})" if isinstance(a, float) and isinstance(b, float) else ""))
+        rows.append([r.name, str(r.summary.get("steps", steps)), f"{wall / 60:.1f}" if wall else "-", *cells, str(r.path)])
     th = "".join(f"<th>{html.escape(h)}</th>" for h in head)
     tr = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
     return f"<table><tr>{th}</tr>{tr}</table>"
@@ -403,7 +414,7 @@ def make_report(run_dirs: Sequence[str | os.PathLike], out_dir: Optional[str | o
     _unique_names(runs)
     out = Path(out_dir) if out_dir else Path(run_dirs[0]) / "report"
     out.mkdir(parents=True, exist_ok=True)
-    sections = []
+    sections, nav = [], []
     panels = list(PANELS)
     if level_panel := level_metrics(runs):
         at = next(i for i, p in enumerate(panels) if p[1] == "eval") + 1
@@ -412,8 +423,8 @@ def make_report(run_dirs: Sequence[str | os.PathLike], out_dir: Optional[str | o
         png = out / f"{stem}.png"
         if plot_panel(runs, title, metrics, png, smooth=smooth):
             data = base64.b64encode(png.read_bytes()).decode()
-            sections.append(f'<h2>{html.escape(title)}</h2>\n<img alt="{html.escape(title)}" '
-                            f'src="data:image/png;base64,{data}">')
+            sections.append(f'<img id="{stem}" alt="{html.escape(title)}" src="data:image/png;base64,{data}">')
+            nav.append(f'<a href="#{stem}">{html.escape(title)}</a>')
     if not sections:
         raise ValueError(f"no plottable metrics in {', '.join(map(str, run_dirs))}")
     names = ", ".join(r.name for r in runs)
@@ -424,11 +435,13 @@ body {{ font-family: system-ui, sans-serif; margin: 24px; color: #222; max-width
 table {{ border-collapse: collapse; font-size: 13px; margin-bottom: 12px; }}
 td, th {{ border: 1px solid #ccc; padding: 4px 8px; text-align: left; vertical-align: top; }}
 th {{ background: #f3f3f3; }}
-img {{ max-width: 100%; border: 1px solid #eee; }}
-h2 {{ margin-top: 28px; font-size: 18px; }}
+img {{ display: block; max-width: 100%; border: 1px solid #eee; margin: 0 0 18px 0; }}
+nav {{ font-size: 13px; margin: 0 0 16px 0; }}
+nav a {{ margin-right: 12px; }}
 </style></head><body>
-<h1>megatron-rl report</h1>
+<h1>megatron-rl report: {html.escape(names)}</h1>
 {_summary_table(runs)}
+<nav>{" ".join(nav)}</nav>
 {chr(10).join(sections)}
 </body></html>
 """

@@ -59,6 +59,9 @@ def test_report_overlays_runs_in_one_page(tmp_path):
     assert len(images) == len(pngs)
     assert base64.b64decode(images[0])[:8] == b"\x89PNG\r\n\x1a\n"  # really embedded PNGs
     assert "<td>grpo</td>" in page and "<td>dapo</td>" in page
+    # summary.json's held-out metrics as before -> after (change); avg@8 and avg@4 get their own columns
+    assert "<th>held-out avg@4 (before \u2192 after)</th><th>held-out avg@8 (before \u2192 after)</th>" in page
+    assert "<td>0.300 \u2192 0.450 (+0.150)</td><td>-</td>" in page  # dapo (the second run) has no avg@8
     assert "src=\"http" not in page and "<script" not in page  # self-contained
     from PIL import Image
 
