@@ -44,6 +44,13 @@ def test_ci_recipe_end_to_end(tmp_path):
         assert REQUIRED_STEP_KEYS <= set(r), REQUIRED_STEP_KEYS - set(r)
         assert r["train/kept_groups"] == 8
         assert r["weight_sync/version"] == r["step"]
+    # the eval rows (step 0: before, step 3: after) carry summary.json's per-level results
+    evals = {r["step"]: r for r in rows if "eval/avg@4" in r}
+    for step, key in ((0, "eval_before"), (3, "eval_after")):
+        assert evals[step]["eval/avg@4"] == summary[key]["avg@4"]
+        for level, rec in summary[key]["by_level"].items():
+            for m in ("avg@4", "pass@4", "greedy_acc", "format_valid"):
+                assert evals[step][f"eval/level_{level}/{m}"] == rec[m], (step, level, m)
     # checkpoints at step 2 (save_interval) and 3 (the end); the marker names the newest
     ckpt = run_dir / "checkpoints"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3"
