@@ -547,7 +547,7 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
         t_step = time.perf_counter()
         timings: dict = {"timing/generate_s": 0.0, "timing/reward_s": 0.0, "rollout/aborted": 0}
         q_hats: dict[str, float] = {}
-        generated = {"tokens": 0, "responses": 0}
+        generated = {"tokens": 0, "responses": 0, "checksum": 0}
 
         def prepare():
             """Steps 1-5 on the controller: the step's groups, their advantages and the batch."""
@@ -569,6 +569,8 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
                     k_correct, g_valid = g.num_correct, g.num_valid
                     generated["tokens"] += sum(len(s.response_ids) for s in g.samples)
                     generated["responses"] += len(g.samples)
+                    generated["checksum"] = (generated["checksum"] + sum(map(token_checksum, (
+                        s.response_ids for s in g.samples)))) % _CHECKSUM_PRIME
                     if 1 <= k_correct <= g_valid - 1:
                         q_hats[g.group_uid] = tracker.estimate(g.prompt_key, k_correct, g_valid, daa.difficulty)
                     if g_valid:  # a group whose every reward failed says nothing about the prompt
@@ -667,6 +669,7 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
                 "timing/update_s": t_sync - t_upd, "timing/weight_sync_s": t_end - t_sync,
                 "timing/step_s": t_end - t_step,
                 "perf/generated_tokens": generated["tokens"], "perf/total_generated_tokens": total_tokens,
+                "rollout/token_checksum": generated["checksum"],
                 "perf/generate_tokens_per_s": generated["tokens"] / max(timings["timing/generate_s"], 1e-9),
                 "perf/train_tokens_per_s": int(batch.loss_mask.sum()) / max(t_sync - t_lp, 1e-9),
                 "weight_sync/version": weight_version,
@@ -765,6 +768,19 @@ def _send_stage_weights(model, hf_config, pgs) -> None:
             dist.send(tensor.contiguous(), dst=0)
     if sender:
         dist.send_object_list([None], dst=0)
+
+
+_CHECKSUM_PRIME = 2_147_483_647  # 2^31 - 1: sums stay exact in a float64 metric
+
+
+def token_checksum(tokens) -> int:
+    """A position-sensitive hash of one response's token ids, in [0, 2^31 - 1): the step's
+    `rollout/token_checksum` is the sum over every sampled response (kept or filtered out) modulo
+    the same prime, so two runs that sampled the same tokens log the same integer."""
+    h = 0
+    for t in tokens:
+        h = (h * 1_000_003 + int(t) + 1) % _CHECKSUM_PRIME
+    return h
 
 
 def _step_metrics(samples, kept, ds_stats: dict, daa_stats: dict, history: list[dict], cfg: Config) -> dict:
