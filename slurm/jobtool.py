@@ -3,7 +3,7 @@
 job-layout checks that run before any GPU work, and waiting for rollout servers.
 
     python slurm/jobtool.py ipv4 --iface ib0            # this node's IPv4 on ib0 (error if missing)
-    python slurm/jobtool.py ports --host IP --base 30000 --slot 2 --count 3
+    python slurm/jobtool.py ports --host IP --base 30000 --slot 2 --count 3 [--job JOBID]
     python slurm/jobtool.py check --config R.yaml --trainer-nodes 4 ... [overrides]
     python slurm/jobtool.py wait-health --timeout 600 URL [URL ...]
 
@@ -12,7 +12,9 @@ given, so engines sharing a node can collide. Here every engine on a node gets i
 ``PORT_BLOCK`` ports starting at ``base + slot * PORT_BLOCK`` (slot = the engine's local index on
 the node); inside the block the first free ports are taken (checked by binding), so the result
 depends only on (node, slot) and what is already bound there, never on a random offset, and two
-engines can never be handed the same port.
+engines can never be handed the same port. A port is handed out minutes before its server binds it,
+so ``--job`` also records a claim for the job in a node-local folder that other jobs on the node skip
+while the job is alive (`claim_ports`): two jobs that start together never pick the same ports.
 
 Interfaces (B31): on multi-NIC clusters ``hostname --ip-address`` may return the management
 network's address. The user names the interface (``MEGATRON_RL_IFACE``, e.g. ``ib0`` or
@@ -124,6 +126,127 @@ def slot_ports(
     return free[:count]
 
 
+def claims_dir_default() -> str:
+    """Where port claims live: node-local and shared by every job on the node.
+
+    ``MEGATRON_RL_PORT_CLAIMS`` when set, else ``/dev/shm/megatron-rl-ports`` (``/tmp/...`` without
+    /dev/shm). Per-job private /tmp (Slurm's job_container/tmpfs) would hide other jobs' claims, which
+    is why /dev/shm comes first.
+    """
+    if os.environ.get("MEGATRON_RL_PORT_CLAIMS"):
+        return os.environ["MEGATRON_RL_PORT_CLAIMS"]
+    root = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else "/tmp"
+    return os.path.join(root, "megatron-rl-ports")
+
+
+_LIVE_STATES = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED", "STOPPED", "REQUEUED",
+                "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT"}
+
+
+def slurm_job_alive(job: str) -> bool:
+    """True while Slurm job ``job`` is queued or running (``squeue -h -j JOB -o %T``).
+
+    An unknown job (ended and purged) is dead; when ``squeue`` cannot be run at all the job is
+    assumed alive, so that a claim is never taken away by mistake.
+    """
+    import subprocess
+
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", str(job), "-o", "%T"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return True
+    if out.returncode != 0:
+        return "Invalid job id" not in out.stderr
+    return any(state.strip() in _LIVE_STATES for state in out.stdout.split())
+
+
+def claim_ports(
+    base: int,
+    slot: int,
+    count: int,
+    *,
+    job: str,
+    host: str = "127.0.0.1",
+    claims_dir: str | None = None,
+    is_free: Callable[[str, int], bool] = port_is_free,
+    job_alive: Callable[[str], bool] = slurm_job_alive,
+    block: int = PORT_BLOCK,
+) -> list[int]:
+    """`slot_ports`, plus a claim on the ports for Slurm job ``job`` that other jobs on the node respect.
+
+    A port is handed out minutes before its server binds it (SGLang loads the model first, torchrun
+    binds the rendezvous port when the trainer step starts), so a bind check alone lets two jobs
+    that start together on one node pick the same ports. Each handed-out port therefore gets a claim
+    file ``claims_dir/PORT`` holding the job id, written under an exclusive lock on
+    ``claims_dir/lock``; another job skips a port whose claim belongs to a job that is still alive
+    (`job_alive`). Claims of ended jobs, and of an earlier run of the same job (a requeue), are
+    taken over. Within one job the slots' blocks never overlap, so its own claims never conflict.
+
+    Args:
+        job: the Slurm job id (SLURM_JOB_ID) the ports are for.
+        claims_dir: node-local folder of the claims (`claims_dir_default`); created mode 1777.
+        is_free / job_alive: the bind check and the liveness check; tests pass fakes.
+
+    Returns:
+        ``count`` ports in the slot's block, the lowest ones that are bindable and unclaimed.
+
+    Raises:
+        JobConfigError: as `slot_ports`; also when fewer than ``count`` ports of the block are
+            both free and unclaimed (the message names the jobs holding claims).
+    """
+    import fcntl
+
+    claims_dir = claims_dir or claims_dir_default()
+    try:
+        os.makedirs(claims_dir, exist_ok=True)
+        if os.stat(claims_dir).st_uid == os.getuid():
+            os.chmod(claims_dir, 0o1777)
+        lock_fd = os.open(os.path.join(claims_dir, "lock"), os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as e:
+        print(f"jobtool ports: warning: no port claims ({claims_dir}: {e}); ports are only checked by binding",
+              file=sys.stderr)
+        return slot_ports(base, slot, count, host=host, is_free=is_free, block=block)
+    alive: dict[str, bool] = {}
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        claimed_by: dict[int, str] = {}
+
+        def usable(h: str, port: int) -> bool:
+            if not is_free(h, port):
+                return False
+            f = os.path.join(claims_dir, str(port))
+            try:
+                with open(f) as fh:
+                    owner = fh.read().split()[0]
+            except (OSError, IndexError):
+                return True
+            if owner == str(job):
+                return True
+            if owner not in alive:
+                alive[owner] = job_alive(owner)
+            if alive[owner]:
+                claimed_by[port] = owner
+                return False
+            return os.access(f, os.W_OK)  # a stale claim another user wrote cannot be taken over
+
+        try:
+            ports = slot_ports(base, slot, count, host=host, is_free=usable, block=block)
+        except JobConfigError as e:
+            if claimed_by:
+                holders = ", ".join(sorted(set(claimed_by.values())))
+                raise JobConfigError(f"{e} (ports claimed by running job(s) {holders} are not free)") from None
+            raise
+        for port in ports:
+            tmp = os.path.join(claims_dir, f".{port}.{os.getpid()}")
+            with open(tmp, "w") as fh:
+                fh.write(f"{job}\n")
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, os.path.join(claims_dir, str(port)))
+        return ports
+    finally:
+        os.close(lock_fd)
+
+
 def check_job(
     config: str,
     overrides: Sequence[str],
@@ -141,7 +264,8 @@ def check_job(
     Loads the recipe with its overrides (megatron-rl's own static checks: unknown keys, model
     layout vs config.json, batch sizes), then checks the node split, the trainer world against
     TP x PP, the mini-batch split over data-parallel ranks, the rollout engines' TP against the
-    GPUs of a node, and that model.path and the data files exist.
+    GPUs of a node, that model.path and the data files exist, and that a run_dir holding checkpoints
+    is not combined with trainer.resume_mode=disable.
 
     Returns:
         ``{"trainer_world", "dp", "engines", "engines_per_node", "model_path", "run_dir"}`` (the
@@ -161,7 +285,8 @@ def check_job(
     if trainer_nodes < 1:
         raise JobConfigError(f"TRAINER_NODES={trainer_nodes}: at least one trainer node is needed")
     if rollout_nodes < 0:
-        raise JobConfigError(f"ROLLOUT_NODES={rollout_nodes}: must be >= 0 (0 = servers share the trainer nodes)")
+        raise JobConfigError(f"ROLLOUT_NODES={rollout_nodes}: must be >= 0 (0 = servers share the trainer nodes); "
+                             f"TRAINER_NODES={trainer_nodes} leaves no nodes of the job's {total_nodes} for the rollout")
     if trainer_nodes + rollout_nodes != total_nodes:
         raise JobConfigError(
             f"TRAINER_NODES={trainer_nodes} + ROLLOUT_NODES={rollout_nodes} = {trainer_nodes + rollout_nodes} "
@@ -200,12 +325,17 @@ def check_job(
     os.environ["WORLD_SIZE"] = str(world)
     try:
         checks = dict((desc, fn) for desc, fn in environment_checks(cfg))
-        for desc in ("world size divisible by TP*PP*CP", "mini-batches split evenly over data-parallel ranks",
-                     "model.path holds a Hugging Face model", "data files exist"):
+        # the launch-time checks that hold on the batch host too, each with the job variables behind it
+        for desc, hint in (("world size divisible by TP*PP*CP", "TRAINER_NODES x GPUS_PER_NODE"),
+                           ("mini-batches split evenly over data-parallel ranks", "TRAINER_NODES x GPUS_PER_NODE"),
+                           ("model.path holds a Hugging Face model", "MODEL_PATH / model.path"),
+                           ("data files exist", "data.train_files / data.val_files"),
+                           ("run_dir free of an earlier run's checkpoints when trainer.resume_mode is disable",
+                            "RUN_DIR / run_dir; a requeued job needs trainer.resume_mode=auto")):
             try:
                 checks[desc]()
             except RuntimeError as e:
-                raise JobConfigError(f"{e} (MODEL_PATH / model.path, data.*, TRAINER_NODES x GPUS_PER_NODE)") from None
+                raise JobConfigError(f"{e} ({hint})") from None
     finally:
         if saved is None:
             os.environ.pop("WORLD_SIZE", None)
@@ -252,6 +382,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     a.add_argument("--base", type=int, required=True)
     a.add_argument("--slot", type=int, default=0)
     a.add_argument("--count", type=int, default=1)
+    a.add_argument("--job", default=None,
+                   help="Slurm job id: claim the ports for it so that other jobs on the node skip them")
     a = sub.add_parser("check", help="static checks of a job (node split, layout, model path, data)")
     a.add_argument("--config", required=True)
     for name in ("total-nodes", "trainer-nodes", "rollout-nodes", "gpus-per-node", "rollout-tp-size",
@@ -267,7 +399,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.cmd == "ipv4":
             print(resolve_ipv4(args.iface, interface_table(), socket.gethostname()))
         elif args.cmd == "ports":
-            print(" ".join(map(str, slot_ports(args.base, args.slot, args.count, host=args.host))))
+            if args.job:
+                ports = claim_ports(args.base, args.slot, args.count, job=args.job, host=args.host)
+            else:
+                ports = slot_ports(args.base, args.slot, args.count, host=args.host)
+            print(" ".join(map(str, ports)))
         elif args.cmd == "check":
             out = check_job(
                 args.config, args.overrides, total_nodes=args.total_nodes, trainer_nodes=args.trainer_nodes,

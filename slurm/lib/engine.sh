@@ -14,8 +14,11 @@ if [ -z "$ip" ]; then
   echo "engine.sh: node $node is not in $JOB_DIR/hosts" >&2
   exit 2
 fi
-read -r port nccl_port dist_port < <("$PYTHON" "$REPO/slurm/jobtool.py" ports --host "$ip" \
-  --base "$ROLLOUT_BASE_PORT" --slot "$slot" --count 3)
+# claimed for this job (--job): another job starting on the node meanwhile skips them
+claim=(); [ -n "${SLURM_JOB_ID:-}" ] && claim=(--job "$SLURM_JOB_ID")
+ports=$("$PYTHON" "$REPO/slurm/jobtool.py" ports --host "$ip" --base "$ROLLOUT_BASE_PORT" --slot "$slot" --count 3 \
+  "${claim[@]}")
+read -r port nccl_port dist_port <<< "$ports"
 url="http://$ip:$port"
 echo "engine $SLURM_PROCID on $node slot $slot: $url (nccl port $nccl_port, dist-init port $dist_port)"
 # the batch script waits for one file per engine; the name orders engines by task id

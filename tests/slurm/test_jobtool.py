@@ -90,6 +90,8 @@ def _check(**kw):
          r"trainer.tensor_model_parallel_size 8 x trainer.pipeline_model_parallel_size 2"),
         (dict(rollout_tp_size=3), r"ROLLOUT_TP_SIZE=3 must divide GPUS_PER_NODE=8"),
         (dict(total_nodes=4, trainer_nodes=4, rollout_nodes=0), r"ROLLOUT_NODES=0 on GPUs"),
+        (dict(trainer_nodes=9, rollout_nodes=-1), r"ROLLOUT_NODES=-1: must be >= 0 .*TRAINER_NODES=9 leaves no nodes "
+                                                  r"of the job's 8"),
         (dict(), r"model.path is not set: pass MODEL_PATH"),
         (dict(overrides=["model.path=/nonexistent/Qwen2.5-32B"]), r"model.path '/nonexistent/Qwen2.5-32B' has no config.json"),
         (dict(overrides=["trainer.tensor_model_parallel_size=16"]),
@@ -139,7 +141,9 @@ def test_engine_script_gpu_branch_flags_and_gpus(tmp_path):
     job = tmp_path / "job"
     (job / "urls").mkdir(parents=True)
     (job / "hosts").write_text("gpu-node-1 127.0.0.1\n")  # ports are checked by binding this address
-    base = 30000 + 16 * 8 * (os.getpid() % 100)  # away from other tests' ports
+    # away from other tests' ports and below Linux's ephemeral range (32768+), where any outgoing
+    # connection on the machine can hold a port for a while
+    base = 20000 + 16 * 8 * (os.getpid() % 60)
     got = []
     for slot in (0, 1):
         env = dict(os.environ, SLURMD_NODENAME="gpu-node-1", SLURM_LOCALID=str(slot), SLURM_PROCID=str(4 + slot),
@@ -160,3 +164,60 @@ def test_engine_script_gpu_branch_flags_and_gpus(tmp_path):
                              "--mem-fraction-static", "0.85", "--random-seed", "7", "--enable-metrics"]
     assert (job / "urls" / "00004").read_text().strip() == f"http://127.0.0.1:{base}"
     assert (job / "urls" / "00005").read_text().strip() == f"http://127.0.0.1:{base + 16}"
+
+
+def test_port_claims_keep_two_jobs_on_one_node_apart(tmp_path):
+    """Two jobs starting together on a node: every port is still bindable when both ask (their
+    servers bind minutes later), so only the claims keep them apart. A running job's claims are
+    skipped, the same job (a requeue) takes its own back, an ended job's claims are taken over."""
+    alive = {"101": True, "102": True}
+    kw = dict(claims_dir=str(tmp_path / "claims"), is_free=lambda h, p: True, job_alive=lambda j: alive.get(j, False))
+    assert jobtool.claim_ports(30000, 0, 3, job="101", **kw) == [30000, 30001, 30002]
+    assert jobtool.claim_ports(30000, 0, 3, job="102", **kw) == [30003, 30004, 30005]
+    assert jobtool.claim_ports(29500, 0, 2, job="102", **kw) == [29500, 29501]
+    assert (tmp_path / "claims" / "30004").read_text() == "102\n"
+    assert jobtool.claim_ports(30000, 0, 3, job="101", **kw) == [30000, 30001, 30002]  # requeued: its own
+    alive["101"] = False
+    assert jobtool.claim_ports(30000, 0, 3, job="103", **kw) == [30000, 30001, 30002]  # 101 ended
+    assert (tmp_path / "claims" / "30000").read_text() == "103\n"
+    alive["103"] = True
+    with pytest.raises(jobtool.JobConfigError, match=r"only 10 of the 16 ports .* claimed by running job\(s\) 102, 103"):
+        jobtool.claim_ports(30000, 0, 11, job="104", **kw)
+
+
+def _claim_in_process(args):
+    claims, job = args
+    return jobtool.claim_ports(31000, 0, 2, job=job, claims_dir=claims, is_free=lambda h, p: True,
+                               job_alive=lambda j: True)
+
+
+def test_port_claims_are_exclusive_under_concurrency(tmp_path):
+    """Eight processes (eight jobs) claim at the same moment: the lock makes them take turns, so
+    the 16 ports handed out are all distinct."""
+    import multiprocessing
+
+    with multiprocessing.get_context("fork").Pool(8) as pool:
+        got = pool.map(_claim_in_process, [(str(tmp_path), str(200 + i)) for i in range(8)])
+    flat = [p for ports in got for p in ports]
+    assert sorted(flat) == list(range(31000, 31016))
+
+
+def test_check_hints_name_the_job_variable(tmp_path):
+    """Each launch-time check failure names the job variable behind it; a run_dir that already holds
+    checkpoints is refused up front when trainer.resume_mode=disable (a requeued job could not resume)."""
+    ci = str(REPO / "examples/tiny/ci.yaml")
+    kw = dict(total_nodes=1, trainer_nodes=1, rollout_nodes=0, gpus_per_node=1, rollout_tp_size=1,
+              engines_per_node=1, device="cpu")
+    with pytest.raises(jobtool.JobConfigError, match=r"data file not found: /nope.parquet \(data.train_files / data.val_files\)$"):
+        jobtool.check_job(ci, ["data.train_files=[/nope.parquet]"], **kw)
+    with pytest.raises(jobtool.JobConfigError, match=r"has no config.json \(MODEL_PATH / model.path\)$"):
+        jobtool.check_job(ci, ["model.path=/nope"], **kw)
+    run = tmp_path / "run"
+    (run / "checkpoints" / "iter_0000002" / "model_optim").mkdir(parents=True)
+    (run / "checkpoints" / "iter_0000002" / "run_state.json").write_text("{}")
+    (run / "checkpoints" / "iter_0000002" / "model_optim" / "metadata.json").write_text("{}")
+    (run / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("2")
+    assert jobtool.check_job(ci, [f"run_dir={run}"], **kw)["run_dir"] == str(run)
+    with pytest.raises(jobtool.JobConfigError, match=r"holds checkpoints of an earlier run \(latest step 2\).*"
+                                                     r"a requeued job needs trainer.resume_mode=auto"):
+        jobtool.check_job(ci, [f"run_dir={run}", "trainer.resume_mode=disable"], **kw)

@@ -48,13 +48,15 @@ def cluster():
 _JOBS: list[str] = []
 
 
-def submit(tmp_path: Path, *overrides: str, env: dict | None = None, script: str = CI) -> tuple[str, Path]:
+def submit(tmp_path: Path, *overrides: str, env: dict | None = None, script: str = CI,
+           sbatch_args: list[str] | None = None) -> tuple[str, Path]:
     """sbatch the script from the repository root; returns (job id, batch output file)."""
     out = tmp_path / "job-%j.out"
     e = dict(os.environ)
     e.pop("MEGATRON_RL_IFACE", None)
     e.update(env or {})
-    proc = subprocess.run(["sbatch", "--parsable", f"--output={out}", script, *overrides], cwd=REPO, env=e,
+    proc = subprocess.run(["sbatch", "--parsable", f"--output={out}", *(sbatch_args or []), script, *overrides],
+                          cwd=REPO, env=e,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     job = proc.stdout.strip().split(";")[0]
@@ -219,13 +221,16 @@ def test_usr1_checkpoints_exits_and_self_requeues(cluster, tmp_path):
         ({"TRAINER_NODES": "2"}, [], "TRAINER_NODES=2 + ROLLOUT_NODES=0 = 2 but the job has 1 node(s)"),
         ({}, ["model.path=/nonexistent/model"], "model.path '/nonexistent/model' has no config.json"),
         ({"MEGATRON_RL_IFACE": "ib0"}, [], "has no interface 'ib0'"),
+        ({}, ["foo.bar=1"], "unknown config key 'foo'"),
+        ({"RECIPE": "examples/tiny/nope.yaml"}, [], "RECIPE=examples/tiny/nope.yaml: no such file"),
+        ({}, ["run_dir=/proc/no/run"], "run_dir=/proc/no/run: cannot create /proc/no/run/slurm"),
     ],
 )
 def test_misconfigured_job_fails_in_seconds(cluster, tmp_path, env, overrides, message):
     """Node counts that do not add up, a missing model, an interface a node lacks: the job fails
     within seconds with the setting named, and no rollout or trainer step was started."""
     t0 = time.monotonic()
-    job, out = submit(tmp_path, f"run_dir={tmp_path / 'run'}", *overrides, env=env)
+    job, out = submit(tmp_path, f"run_dir={tmp_path / 'run'}", *overrides, env=env)  # a later run_dir= wins
     info = wait_state(job, ENDED, 120, out)
     took = time.monotonic() - t0
     text = out.read_text()
@@ -255,3 +260,66 @@ def test_a_failing_step_stops_the_others(cluster, tmp_path):
     assert "stopping the trainer step" in text
     torchrun = int((run / "slurm" / f"job-{job}" / "torchrun.0.pid").read_text())
     wait_for(lambda: not Path(f"/proc/{torchrun}").exists(), 30, f"the trainer's torchrun (pid {torchrun}) to exit", out)
+
+
+def test_usr1_during_trainer_start_up_still_requeues(cluster, tmp_path):
+    """The pre-emption signal while the trainer is still starting (torchrun importing, ranks building
+    the model: SIGUSR1's default action ends them, nothing can be checkpointed yet): the job is
+    requeued all the same, to resume from the newest checkpoint on disk, instead of failing."""
+    run = tmp_path / "run"
+    job, out = submit(tmp_path, f"run_dir={run}", *FAST)
+    wait_for(lambda: "trainer step started" in (out.read_text() if out.exists() else ""), 300, "the trainer step", out)
+    pid = run / "slurm" / f"job-{job}" / "torchrun.0.pid"
+    wait_for(lambda: pid.exists() and pid.read_text().strip(), 60, "the torchrun pid file", out)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True, capture_output=True)
+    info = wait_state(job, {"PENDING"}, 180, out)
+    subprocess.run(["scancel", job], capture_output=True)
+    text = out.read_text()
+    assert info["Restarts"] == "1", text[-4000:]
+    assert "on SIGUSR1 without writing a checkpoint; the next run starts over (no checkpoint yet)" in text, text[-4000:]
+    assert f"requeued job {job}" in text
+    assert (run / "slurm" / "owner").read_text().strip() == job  # kept for the requeued run
+
+
+def _started(out: Path) -> str | None:
+    text = out.read_text() if out.exists() else ""
+    return text if "trainer step started" in text else None
+
+
+def test_two_jobs_at_once_get_their_own_ports_and_run_dirs(cluster, tmp_path):
+    """Two jobs starting together on one node (one CPU each): each engine's and each trainer's ports
+    are picked before the other job's servers bind theirs, so only the port claims keep them apart;
+    both come up on their own ports. A third job into a run_dir in use fails in seconds naming the
+    job that holds it; once that job has ended the run_dir is free again."""
+    ra, rb = tmp_path / "a", tmp_path / "b"
+    one_cpu = ["--cpus-per-task=1"]
+    a, aout = submit(tmp_path, f"run_dir={ra}", *FAST, sbatch_args=one_cpu)
+    wait_for(lambda: "logs:" in (aout.read_text() if aout.exists() else ""), 120, "job A's pre-flight", aout)
+    c, cout = submit(tmp_path, f"run_dir={ra}", *FAST, sbatch_args=one_cpu)
+    info = wait_state(c, ENDED, 120, cout)
+    assert info["ExitCode"] == "2:0" and f"is in use by job {a}" in cout.read_text(), cout.read_text()
+    assert "rollout step started" not in cout.read_text()
+    b, bout = submit(tmp_path, f"run_dir={rb}", *FAST, sbatch_args=one_cpu)
+    texts = [wait_for(lambda o=o: _started(o), 300, "the trainer step", o) for o in (aout, bout)]
+    url = [re.search(r"rollout engines up: (\S+)", t).group(1) for t in texts]
+    trainer = [re.search(r"rendezvous port (\d+), weight-sync port (\d+)", t).groups() for t in texts]
+    engine = [re.search(r"\(nccl port (\d+), dist-init port (\d+)\)", (r / "slurm" / f"job-{j}" /
+                                                                      f"rollout-{job_info(j)['NodeList']}-0.log")
+                        .read_text()).groups() for r, j in ((ra, a), (rb, b))]
+    ports = [u.rsplit(":", 1)[1] for u in url] + [p for pair in trainer + engine for p in pair]
+    assert len(set(ports)) == 10, ports
+    # both trainers reach their own servers (a shared port would have killed one job's server)
+    for r in (ra, rb):
+        wait_for(lambda r=r: (r / "train.log").exists() and "rollout servers reachable" in (r / "train.log").read_text(),
+                 300, f"the trainer of {r.name} to reach its servers", aout)
+    assert {job_info(j)["JobState"] for j in (a, b)} == {"RUNNING"}
+    assert jobtool.slurm_job_alive(a) and not jobtool.slurm_job_alive("999999")
+    for j in (a, b):
+        subprocess.run(["scancel", j], capture_output=True)
+    for j, o in ((a, aout), (b, bout)):
+        wait_state(j, ENDED, 180, o)
+    # job A has ended: its owner file is stale, a new job takes the run_dir over
+    d, dout = submit(tmp_path, f"run_dir={ra}", *FAST, sbatch_args=one_cpu)
+    wait_for(lambda: "rollout step started" in (dout.read_text() if dout.exists() else ""), 120, "job D's start", dout)
+    subprocess.run(["scancel", d], capture_output=True)
+    assert (ra / "slurm" / "owner").read_text().strip() == d
