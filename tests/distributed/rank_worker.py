@@ -131,8 +131,9 @@ def scenario_train() -> dict:
 
 def scenario_layouts() -> dict:
     """TP = $TP, PP = $PP, DP = the rest: log-probs, one mini-batch's gradients and two PPO updates
-    of a fixed batch (micro-batches of 2 rows, or under the token budget $BUDGET); tensors go to $OUT_DIR/rank{r}.pt in HF names (first TP and DP rank of each
-    stage), scalars to the RESULT line. The test compares every layout with one process."""
+    of a fixed batch (micro-batches of 2 rows, or under the token budget $BUDGET); tensors go to
+    $OUT_DIR/rank{r}.pt in HF names (first TP and DP rank of each stage), scalars to the RESULT
+    line. The test compares every layout with one process."""
     import torch
     import torch.distributed as dist
 
