@@ -33,11 +33,14 @@ PANELS: list[tuple[str, str, list[tuple[str, str, str]]]] = [
     ("Policy", "policy", [
         ("train/entropy", "entropy", "nats / token"), ("train/ppo_kl", "PPO KL (old vs new)", "nats / token"),
         ("train/grad_norm", "grad norm (before clipping)", "L2 norm"), ("train/loss", "policy loss", "loss"),
+        ("train/lr", "learning rate", "lr"),
         ("train/kl_loss", "KL loss (vs reference)", "nats / token"),
         ("train/rollout_logprob_abs_diff", "|rollout - trainer| log-prob", "nats / token")]),
     ("Clipping", "clipping", [
-        ("train/pg_clipfrac", "PPO clip fraction (upper)", "share of tokens"),
-        ("train/pg_clipfrac_lower", "dual-clip fraction (lower)", "share of tokens"),
+        ("train/pg_clipfrac", "PPO clip fraction (either bound)", "share of tokens"),
+        ("train/pg_clipfrac_at_high_bound", "clipped at 1 + eps_high", "share of tokens"),
+        ("train/pg_clipfrac_at_low_bound", "clipped at 1 - eps_low", "share of tokens"),
+        ("train/pg_clipfrac_lower", "dual-clip fraction (A < 0)", "share of tokens"),
         ("response_length/clip_ratio", "responses cut at max length", "share of responses")]),
     ("Response length", "length", [
         ("response_length/mean", "mean response length", "tokens"),
@@ -60,6 +63,8 @@ PANELS: list[tuple[str, str, list[tuple[str, str, str]]]] = [
 
 _COUNT_KEYS = {"train/num_gen_batches", "train/kept_groups", "train/mixed_groups", "train/solve_all", "train/solve_none"}
 """Integer counts: integer ticks, axis from 0."""
+_NO_SMOOTH = {"train/lr"}
+"""Schedules: drawn as they are (a moving average would stretch the warm-up)."""
 _FEATURE_OF = {"train/daa_amplified_frac": "DAA", "train/daa_factor_mean": "DAA"}
 """Metrics that mean nothing for a run with the feature off (config.yaml says so): not drawn for it."""
 
@@ -306,7 +311,7 @@ def plot_panel(runs: Sequence[Run], title: str, metrics: list[tuple[str, str, st
                         name += f": {vals[0]:.3f}"
                     ax.plot(steps, vals, marker="o", ls=style, color=c, lw=1.8, ms=5, label=name)
                     continue
-                w = smooth or max(1, len(vals) // 15)
+                w = 1 if key in _NO_SMOOTH else smooth or max(1, len(vals) // 15)
                 if w > 1:
                     windows.add(w)
                     ax.plot(steps, vals, color=c, lw=0.8, alpha=0.3)
