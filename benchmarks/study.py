@@ -20,13 +20,13 @@ is the trainer's own evaluation (`eval.*`) on `examples/tiny/data/test.jsonl`.
 
 Token budget: the trainer has no stop on generated tokens, so the study implements it. It starts
 the run with a step cap it will not reach and reads `metrics.jsonl` while the run trains; once the
-row of step s shows `T_s + mean(t_{s-4..s}) >= budget` (`T_s` = `perf/total_generated_tokens`,
-`t_r` = step r's `perf/generated_tokens`: step s+1 is expected to reach the budget) it sends
+row of step s shows `T_s + max(t_{s-4..s}) >= budget` (`T_s` = `perf/total_generated_tokens`,
+`t_r` = step r's `perf/generated_tokens`: step s+1 may reach the budget) it sends
 SIGTERM, the trainer finishes step s+1 (the step in flight), checkpoints and exits (code 75). The
 study then resumes the run with `trainer.total_training_steps=s+1`: no step is trained, the final
 evaluation (`eval_after`) runs on the step-(s+1) weights and `summary.json` is written. A run thus
-ends at about the first step whose cumulative count reaches the budget (a step's tokens above or,
-rarely, below it); the exact count of every run is in the JSON. The step-0 (base model)
+ends at or a little below the budget (by at most the spread of recent steps' token counts), above
+it only after an unusually large step; the exact count of every run is in the JSON. The step-0 (base model)
 evaluation is the same for every run (same weights, same `eval.seed`), so only the first run
 launched does it (`eval.before_train`) and every curve starts from it.
 
@@ -66,7 +66,7 @@ MAIN_ALGORITHMS = ("grpo", "dapo", "da3po")
 MEAN_RESPONSE_TOKENS = 24
 """Mean response length of the base model at temperature 1.0 (23.7 tokens at step 1 of the tiny
 recipes); only used to place the periodic evaluations before a run has measured anything."""
-STOP_RULE = "SIGTERM once T_s + mean(t_{s-4..s}) >= budget at step s; the run ends after step s+1"
+STOP_RULE = "SIGTERM once T_s + max(t_{s-4..s}) >= budget at step s; the run ends after step s+1"
 DS_GEN_BATCHES = 1.3
 """Expected generation batches a dynamic-sampling step (same use as MEAN_RESPONSE_TOKENS)."""
 
@@ -184,17 +184,23 @@ def read_rows(path: Path) -> list[dict]:
 
 
 LOOKAHEAD_STEPS = 5
-"""Steps averaged for the expected tokens of the next step in the stop rule."""
+"""Recent steps whose largest token count bounds the next step's in the stop rule."""
 
 
 def budget_signal_step(rows: list[dict], budget: int) -> Optional[int]:
-    """The study's stop rule: the first training step s with `T_s + mean(t_{s-4..s}) >= budget`
-    (`T_s` = `perf/total_generated_tokens`, `t_r` = `perf/generated_tokens`: step s+1 is expected to
-    reach the budget), or None. SIGTERM sent once step s's row is written makes step s+1 the last."""
+    """The study's stop rule: the first training step s with `T_s + max(t_{s-4..s}) >= budget`
+    (`T_s` = `perf/total_generated_tokens`, `t_r` = `perf/generated_tokens`: step s+1 may reach the
+    budget), or None. SIGTERM sent once step s's row is written makes step s+1 the last.
+
+    The max, not the mean: a dynamic-sampling step generates one or two generation batches (~5k or
+    ~10k tokens on the tiny task); with the mean, a two-batch step s could cross the budget before
+    the rule fired, and the run then went a whole step (s+1) past it. With the max, a run ends
+    below the budget by at most max - min of recent steps, and above it only by a step larger
+    than every one of the 5 before."""
     recent: list[int] = []
     for r in sorted((r for r in rows if "perf/total_generated_tokens" in r), key=lambda r: r["step"]):
         recent = (recent + [r["perf/generated_tokens"]])[-LOOKAHEAD_STEPS:]
-        if r["perf/total_generated_tokens"] + sum(recent) / len(recent) >= budget:
+        if r["perf/total_generated_tokens"] + max(recent) >= budget:
             return r["step"]
     return None
 
@@ -458,7 +464,8 @@ def run_record(spec: RunSpec, run_dir: Path, state: dict, base: Optional[dict], 
         "steps_to_target": first_crossing(xs_steps, ys, args.target_acc) if curve else None,
         "tokens_to_target": first_crossing(xs_tokens, ys, args.target_acc) if curve else None,
         "train": {
-            "mean_num_gen_batches": statistics.fmean(r.get("train/num_gen_batches", 1) for r in train) if train else None,
+            "mean_num_gen_batches": statistics.fmean(r.get("train/num_gen_batches", 1) for r in train)
+            if train else None,
             "mean_response_length": statistics.fmean(r["response_length/mean"] for r in train) if train else None,
             "mean_train_acc": statistics.fmean(r["train/acc"] for r in train) if train else None,
             "daa_amplified_frac_mean": statistics.fmean(r.get("train/daa_amplified_frac", 0.0) for r in train)
@@ -516,8 +523,9 @@ def aggregate(records: list[dict], args) -> dict:
                 grid = [end * i / (npts - 1) for i in range(npts)]
             else:
                 grid = sorted({p[axis] for r in usable for p in r["curve"] if p[axis] <= end})
-            per_key = {"avg": lambda p: p["avg"], **{f"level_{lv}": (lambda p, lv=lv: p["levels"].get(lv, {}).get("avg"))
-                                                     for lv in levels}}
+            per_key = {"avg": lambda p: p["avg"]}
+            for lv in levels:
+                per_key[f"level_{lv}"] = lambda p, lv=lv: p["levels"].get(lv, {}).get("avg")
             c = {"x": grid}
             for key, get in per_key.items():
                 series = []
@@ -695,12 +703,15 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="study folder (default runs/study, runs/study-quick with --quick)")
     p.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="trainer.seed values (default 1 2 3)")
     p.add_argument("--budget-tokens", type=int, help="generated response tokens a run (default 250000; quick 6000)")
-    p.add_argument("--pool-size", type=int, help="training prompts, stratified by level (default 320; quick 64; 0 = all 940)")
+    p.add_argument("--pool-size", type=int,
+                   help="training prompts, stratified by level (default 320; quick 64; 0 = all 940)")
     p.add_argument("--eval-n", type=int, help="eval.n: samples a held-out problem (default 4; quick 2)")
     p.add_argument("--eval-problems", type=int, help="eval.max_problems (default 0 = all 296; quick 32)")
     p.add_argument("--evals-per-run", type=int, help="periodic evaluations spread over the budget (default 3; quick 1)")
-    p.add_argument("--target-acc", type=float, default=0.40, help="held-out avg@n for steps/tokens-to-target (default 0.40)")
-    p.add_argument("--hard-levels", nargs="+", default=["4", "5"], help="difficulty levels counted as hard (default 4 5)")
+    p.add_argument("--target-acc", type=float, default=0.40,
+                   help="held-out avg@n for steps/tokens-to-target (default 0.40)")
+    p.add_argument("--hard-levels", nargs="+", default=["4", "5"],
+                   help="difficulty levels counted as hard (default 4 5)")
     p.add_argument("--only", nargs="+", help="run only these run names or labels (e.g. grpo dapo_s2)")
     p.add_argument("--analyze-only", action="store_true", help="launch nothing; recompute study.json and the plots")
     p.add_argument("--dry-run", action="store_true", help="print the plan and each run's overrides, launch nothing")

@@ -30,9 +30,9 @@ def test_stop_rule_and_curve_helpers():
     rows = [{"step": 1, "perf/generated_tokens": 100, "perf/total_generated_tokens": 100},
             {"step": 0, "eval/avg@4": 0.3},
             {"step": 2, "perf/generated_tokens": 300, "perf/total_generated_tokens": 400}]
-    # step 1: 100 + 100 < 600; step 2: 400 + (100 + 300) / 2 = 600 >= 600
-    assert study.budget_signal_step(rows, 600) == 2
-    assert study.budget_signal_step(rows, 601) is None
+    # step 1: 100 + 100 < 700; step 2: 400 + max(100, 300) = 700 >= 700
+    assert study.budget_signal_step(rows, 700) == 2
+    assert study.budget_signal_step(rows, 701) is None
     assert study.budget_signal_step(rows, 200) == 1
     # crossing of 0.5 between (10, 0.4) and (20, 0.6): 15; at the first point: its x; never: None
     assert study.first_crossing([0, 10, 20], [0.3, 0.4, 0.6], 0.5) == pytest.approx(15.0)
@@ -88,11 +88,11 @@ def test_quick_study_end_to_end(tmp_path):
         assert rec["tokens_from_metrics"] == sum(r["perf/generated_tokens"] for r in train)
         assert rec["total_generated_tokens"] == summary["total_generated_tokens"] == \
             train[-1]["perf/total_generated_tokens"] == rec["tokens_from_metrics"] > 0
-        # the stop rule recomputed by hand: s = first step with T_s + mean(last <=5 t) >= budget
+        # the stop rule recomputed by hand: s = first step with T_s + max(last <=5 t) >= budget
         signal_step, recent = None, []
         for r in train:
             recent = (recent + [r["perf/generated_tokens"]])[-5:]
-            if r["perf/total_generated_tokens"] + sum(recent) / len(recent) >= 6000:
+            if r["perf/total_generated_tokens"] + max(recent) >= 6000:
                 signal_step = r["step"]
                 break
         assert rec["stop"]["signal_step"] == signal_step is not None
@@ -101,7 +101,8 @@ def test_quick_study_end_to_end(tmp_path):
         assert [p["returncode"] for p in rec["phases"]] == [75, 0]
         # the run trained on the pool with its seed and the study's eval settings
         cfg = summary["config"]
-        assert cfg["trainer"]["seed"] == 1 and [Path(f).resolve() for f in cfg["data"]["train_files"]] == [(out / "pool.jsonl").resolve()]
+        assert cfg["trainer"]["seed"] == 1
+        assert [Path(f).resolve() for f in cfg["data"]["train_files"]] == [(out / "pool.jsonl").resolve()]
         assert (cfg["eval"]["n"], cfg["eval"]["max_problems"]) == (2, 32)
         assert not (run_dir / "checkpoints").exists()  # removed once done (no --keep-checkpoints)
         # final evaluation = summary.json's eval_after, per level too
