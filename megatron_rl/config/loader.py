@@ -324,6 +324,9 @@ def _check_model_layout(cfg: Config) -> None:
         raise ValueError(f"trainer.tensor_model_parallel_size {tp} must divide num_attention_heads {heads} ({src})")
     if kv and kv % tp:
         raise ValueError(f"trainer.tensor_model_parallel_size {tp} must divide num_key_value_heads {kv} ({src})")
+    ffn = hf.get("intermediate_size")
+    if ffn and ffn % tp:
+        raise ValueError(f"trainer.tensor_model_parallel_size {tp} must divide intermediate_size {ffn} ({src})")
     if layers and layers % pp:
         raise ValueError(f"trainer.pipeline_model_parallel_size {pp} must divide num_hidden_layers {layers} ({src})")
     max_pos = hf.get("max_position_embeddings")
@@ -423,6 +426,10 @@ def environment_checks(cfg: Config) -> list[tuple[str, callable]]:
         major, _ = torch.cuda.get_device_capability()
         if major < 9:
             raise RuntimeError(f"trainer.fp8 needs a Hopper (sm90) or newer GPU; found compute capability {major}.x")
+        if t.fp8_recipe == "mxfp8" and major < 10:
+            raise RuntimeError(f"trainer.fp8_recipe=mxfp8 needs a Blackwell (sm100) or newer GPU (Transformer Engine's "
+                               f"MXFP8); found compute capability {major}.x: use fp8_recipe=delayed, tensorwise or "
+                               "blockwise on Hopper")
 
     def model_files() -> None:
         p = cfg.model.path

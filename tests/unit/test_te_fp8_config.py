@@ -101,3 +101,38 @@ def test_environment_check_refuses_pre_hopper_gpu(monkeypatch):
         _check(cfg, "Transformer Engine and a Hopper")()
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     assert _check(cfg, "Transformer Engine and a Hopper")() is None
+
+
+def test_environment_check_refuses_mxfp8_before_blackwell(monkeypatch):
+    """MXFP8 exists in Transformer Engine only on sm100+: on a (faked) Hopper it is refused naming
+    trainer.fp8_recipe, while the delayed recipe passes; on a (faked) sm100 MXFP8 passes."""
+    import importlib.util
+
+    import torch
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "transformer_engine" else real(name, *a))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    mx = load_config(None, BASE + ["trainer.precision=bf16", "trainer.fp8=e4m3", "trainer.fp8_recipe=mxfp8"])
+    with pytest.raises(RuntimeError, match=r"trainer.fp8_recipe=mxfp8 needs a Blackwell \(sm100\).*9\.x"):
+        _check(mx, "Transformer Engine and a Hopper")()
+    delayed = load_config(None, BASE + ["trainer.precision=bf16", "trainer.fp8=e4m3", "trainer.fp8_recipe=delayed"])
+    assert _check(delayed, "Transformer Engine and a Hopper")() is None
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (10, 0))
+    assert _check(mx, "Transformer Engine and a Hopper")() is None
+
+
+def test_tp_must_divide_the_ffn_width(tmp_path):
+    """Megatron's RowParallelLinear asserts TP | intermediate_size when the model is built; the static
+    check says so first, naming the key, the value and the config file."""
+    model = tmp_path / "m"
+    model.mkdir()
+    hf = {"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "intermediate_size": 129}
+    (model / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ValueError, match=r"trainer.tensor_model_parallel_size 2 must divide intermediate_size 129 .*config.json"):
+        load_config(None, [f"model.path={model}", "trainer.tensor_model_parallel_size=2"])
+    hf["intermediate_size"] = 128
+    (model / "config.json").write_text(json.dumps(hf))
+    assert load_config(None, [f"model.path={model}", "trainer.tensor_model_parallel_size=2"]).trainer.tensor_model_parallel_size == 2
