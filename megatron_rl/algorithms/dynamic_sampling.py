@@ -7,7 +7,7 @@ batch, prompt index) order and are truncated to exactly `train_batch_size`.
 
 `max_num_gen_batches <= 0` means unlimited (the loop then runs until the batch is full). When the
 limit is reached: `on_exhausted="train_partial"` (default) truncates to the largest multiple of
-`ppo_mini_batch_size` (one mini-batch of the whole job) and warns; `"error"` raises. Fewer kept groups than one such unit
+`ppo_mini_batch_size * dp_size` and warns; `"error"` raises. Fewer kept groups than one such unit
 always raises `DynamicSamplingExhausted` saying what to change.
 
 Multi-turn fan-out groups (CASES B12): a group of trajectories, each a list of fragments, is
@@ -135,10 +135,7 @@ def collect_groups(
         train_batch_size: groups (prompts) needed.
         max_num_gen_batches: batch limit; `<= 0` means unlimited.
         on_exhausted: `"train_partial"` or `"error"` (see module docstring).
-        ppo_mini_batch_size: a partial batch is truncated to a multiple of it (prompts per mini-batch of
-            the whole job; the trainer splits each mini-batch's sequences over the DP ranks, which the
-            launch check guarantees divides).
-        dp_size: data-parallel size, only validated (> 0); a mini-batch is not per DP rank.
+        ppo_mini_batch_size, dp_size: a partial batch is truncated to a multiple of their product.
         enable: False = no filtering: one generation batch, every group kept (truncated to
             `train_batch_size`).
         keep_fn: `keep_fn(group) -> bool`, e.g. `keep_group` on the group's acc values.
@@ -153,7 +150,7 @@ def collect_groups(
 
     Raises:
         DynamicSamplingExhausted: the limit was hit and `on_exhausted="error"`, or fewer groups
-            than `ppo_mini_batch_size` were kept; the message names the numbers.
+            than `ppo_mini_batch_size * dp_size` were kept; the message names the numbers.
         ValueError: bad arguments, or `generate_batch` returned no groups.
     """
     if train_batch_size <= 0 or ppo_mini_batch_size <= 0 or dp_size <= 0:
@@ -195,7 +192,7 @@ def collect_groups(
     if len(kept) >= train_batch_size:
         kept = kept[:train_batch_size]
     elif enable:
-        unit = ppo_mini_batch_size  # a mini-batch is job-wide: its sequences are split over DP ranks
+        unit = ppo_mini_batch_size * dp_size
         usable = (len(kept) // unit) * unit
         where = (
             f"dynamic sampling kept {len(kept)} of the {train_batch_size} groups needed "
@@ -211,8 +208,8 @@ def collect_groups(
             raise DynamicSamplingExhausted(f"{where}; on_exhausted=error. To fix: {advice}")
         if usable < unit:
             raise DynamicSamplingExhausted(
-                f"{where}, fewer than one mini-batch (actor.ppo_mini_batch_size={ppo_mini_batch_size} groups). "
-                f"To fix: {advice}, or lower actor.ppo_mini_batch_size"
+                f"{where}, fewer than one mini-batch (actor.ppo_mini_batch_size={ppo_mini_batch_size} x "
+                f"data-parallel size {dp_size} = {unit}). To fix: {advice}, or lower actor.ppo_mini_batch_size"
             )
         logger.warning("%s; training on %d groups (multiple of %d)", where, usable, unit)
         kept = kept[:usable]

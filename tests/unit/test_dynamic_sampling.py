@@ -68,28 +68,22 @@ def test_fills_across_batches_in_order_and_truncates():
     assert len(seen) == 12 and sum(k for _, k in seen) == 6  # every group reported, kept or not
 
 
-def test_train_partial_truncates_to_multiple_of_minibatch_not_times_dp(caplog):
+def test_train_partial_truncates_to_multiple_of_minibatch_times_dp(caplog):
     calls = []
     sched = lambda b: ["m"] * 3 + ["n"] * 5  # 3 kept per batch
     with caplog.at_level(logging.WARNING):
         kept, stats = collect_groups(
             _gen_from(sched, calls), train_batch_size=32, max_num_gen_batches=3, on_exhausted="train_partial",
-            ppo_mini_batch_size=4, dp_size=2, keep_fn=_keep,
+            ppo_mini_batch_size=2, dp_size=2, keep_fn=_keep,
         )
-    # 9 kept after 3 batches; unit = one job-wide mini-batch of 4 groups (its sequences are split over
-    # the 2 DP ranks by the trainer, not 4 groups per rank) -> 8
+    # 9 kept after 3 batches; unit = 2 x 2 = 4 -> 8
     assert calls == [0, 1, 2] and len(kept) == 8 and stats["kept_groups"] == 8
     assert "kept 9 of the 32" in caplog.text
     with pytest.raises(DynamicSamplingExhausted, match="fewer than one mini-batch"):
         collect_groups(
-            _gen_from(sched, []), train_batch_size=32, max_num_gen_batches=1, ppo_mini_batch_size=4, dp_size=2,
+            _gen_from(sched, []), train_batch_size=32, max_num_gen_batches=1, ppo_mini_batch_size=2, dp_size=2,
             keep_fn=_keep,
         )
-    # 3 kept, mini-batch of 2 groups: trains on 2 at DP=2 as at DP=1 (before: refused, unit 2 x 2)
-    for dp in (1, 2):
-        kept, _ = collect_groups(_gen_from(sched, []), train_batch_size=32, max_num_gen_batches=1,
-                                 ppo_mini_batch_size=2, dp_size=dp, keep_fn=_keep)
-        assert len(kept) == 2
 
 
 def test_error_mode_names_numbers():
