@@ -145,9 +145,24 @@ def _build(cls: type, tree: dict, path: str) -> Any:
             except ValueError:
                 pass
         if not _type_matches(tp, value):
-            raise ValueError(f"config key {full!r}: {value!r} is not of type {getattr(tp, '__name__', tp)}")
+            raise ValueError(f"config key {full!r}: {value!r} is not {_type_words(tp)}")
         kwargs[key] = value
     return cls(**kwargs)
+
+
+def _type_words(tp) -> str:
+    """A config type in words for error messages: ``int | None`` -> "an int or null",
+    ``Literal["a", "b"] | None`` -> "one of 'a', 'b' or null", ``list[str]`` -> "a list"."""
+    args = typing.get_args(tp)
+    origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        return "one of " + ", ".join(repr(a) for a in args)
+    if args and origin is not list and origin is not dict and origin is not tuple:  # a union
+        parts = [_type_words(a) for a in args if a is not type(None)]
+        words = " or ".join(parts)
+        return words + " or null" if type(None) in args else words
+    names = {bool: "a boolean", int: "an int", float: "a number", str: "a string", list: "a list", dict: "a mapping"}
+    return names.get(origin or tp, f"of type {getattr(tp, '__name__', tp)}")
 
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None) -> Config:

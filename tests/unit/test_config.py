@@ -52,8 +52,13 @@ def test_enum_lists_allowed_values():
 
 
 def test_wrong_type():
-    with pytest.raises(ValueError, match=r"rollout.n.*not of type int"):
+    with pytest.raises(ValueError, match=r"config key 'rollout.n': 'abc' is not an int$"):
         load_config(None, BASE + ["rollout.n=abc"])
+    # optional keys say what they take in words, not "Optional"
+    with pytest.raises(ValueError, match=r"'actor.max_tokens_per_micro_batch': 1.5 is not an int or null$"):
+        load_config(None, BASE + ["actor.max_tokens_per_micro_batch=1.5"])
+    with pytest.raises(ValueError, match=r"'trainer.fp8': True is not a string or null$"):
+        load_config(None, BASE + ["trainer.fp8=true"])
 
 
 def test_cross_section_checks():
