@@ -366,9 +366,14 @@ def environment_checks(cfg: Config) -> list[tuple[str, callable]]:
         world = int(os.environ.get("WORLD_SIZE", t.nproc_per_node))
         mp = t.tensor_model_parallel_size * t.pipeline_model_parallel_size * t.context_parallel_size
         if world % mp:
+            source = ("WORLD_SIZE from the launcher (torchrun / srun)" if "WORLD_SIZE" in os.environ
+                      else "trainer.nproc_per_node")
             raise RuntimeError(
-                f"world size {world} is not divisible by TP*PP*CP = {t.tensor_model_parallel_size}*"
-                f"{t.pipeline_model_parallel_size}*{t.context_parallel_size}"
+                f"world size {world} ({source}) is not divisible by trainer.tensor_model_parallel_size x "
+                f"trainer.pipeline_model_parallel_size x trainer.context_parallel_size = "
+                f"{t.tensor_model_parallel_size} x {t.pipeline_model_parallel_size} x {t.context_parallel_size} = {mp}: "
+                f"set {'the number of processes' if 'WORLD_SIZE' in os.environ else 'trainer.nproc_per_node'} "
+                f"to a multiple of {mp}"
             )
 
     def data_parallel_split() -> None:

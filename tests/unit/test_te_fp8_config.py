@@ -136,3 +136,17 @@ def test_tp_must_divide_the_ffn_width(tmp_path):
     hf["intermediate_size"] = 128
     (model / "config.json").write_text(json.dumps(hf))
     assert load_config(None, [f"model.path={model}", "trainer.tensor_model_parallel_size=2"]).trainer.tensor_model_parallel_size == 2
+
+
+def test_world_size_check_names_the_keys(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    cfg = load_config(None, BASE + ["trainer.tensor_model_parallel_size=2"])
+    with pytest.raises(RuntimeError, match=r"world size 1 \(trainer.nproc_per_node\) is not divisible by "
+                                           r"trainer.tensor_model_parallel_size x .* = 2 x 1 x 1 = 2: set "
+                                           r"trainer.nproc_per_node to a multiple of 2"):
+        _check(cfg, "world size divisible")()
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(RuntimeError, match=r"world size 3 \(WORLD_SIZE from the launcher"):
+        _check(cfg, "world size divisible")()
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert _check(cfg, "world size divisible")() is None
