@@ -318,6 +318,8 @@ def plot_panel(runs: Sequence[Run], title: str, metrics: list[tuple[str, str, st
                     ax.plot(steps, _moving_average(vals, w), ls=style, color=c, lw=2.0, label=name)
                 else:
                     ax.plot(steps, vals, ls=style, color=c, lw=1.8, label=name)
+        same = _identical_runs(drawn, keys)  # a line hidden under another: say so, rather than look missing
+        same_note = ("\nidentical: " + "; ".join(" = ".join(g) for g in same)) if same else ""
         if lo is not None:
             if ylabel.startswith("share") and "format-valid" in label:  # near 1: do not magnify 0.999 vs 1.0
                 ax.set_ylim(min(0.9, lo - 0.01), 1.005)
@@ -330,7 +332,7 @@ def plot_panel(runs: Sequence[Run], title: str, metrics: list[tuple[str, str, st
                 ax.set_ylim(min(0.0, lo), max(0.0, hi) * 1.25 or 1.0)
         shown_key = keys[0] if len(keys) == 1 else "|".join(sorted({k.rsplit("@", 1)[0] + "@*" for k in keys}))
         ax.set_title(label, fontsize=10.5)
-        ax.set_xlabel(f"RL step    [{shown_key}]", fontsize=8.5)
+        ax.set_xlabel(f"RL step    [{shown_key}]{same_note}", fontsize=8.5)
         ax.set_ylabel(ylabel, fontsize=9)
         ax.set_xlim(-0.02 * last_step, 1.02 * last_step)  # every panel spans the runs' steps
         ax.tick_params(labelsize=8)
@@ -360,6 +362,17 @@ def plot_panel(runs: Sequence[Run], title: str, metrics: list[tuple[str, str, st
     fig.savefig(out_png, dpi=90)
     plt.close(fig)
     return True
+
+
+def _identical_runs(runs: Sequence[Run], keys: list[str]) -> list[list[str]]:
+    """Names of runs whose series of `keys` are the same points (drawn on top of each other), in
+    groups of two or more."""
+    groups: dict[tuple, list[str]] = {}
+    for r in runs:
+        pts = tuple((k, tuple(r.series[k][0]), tuple(r.series[k][1])) for k in keys if k in r.series)
+        if pts:
+            groups.setdefault(pts, []).append(r.name)
+    return [g for g in groups.values() if len(g) > 1]
 
 
 def _legend_name(run: Run, title: str) -> str:

@@ -158,3 +158,13 @@ def test_daa_metrics_not_drawn_for_runs_with_daa_off(tmp_path):
     assert plot_panel([load_run(tmp_path / "grpo"), load_run(tmp_path / "da3po")], "Dynamic sampling and DAA",
                       metrics, tmp_path / "y.png")
     assert (tmp_path / "y.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_identical_runs_named_not_hidden():
+    from megatron_rl.report import Run, _identical_runs
+
+    a, b, c = Run("a", Path("a")), Run("b", Path("b")), Run("c", Path("c"))
+    a.series["train/lr"] = b.series["train/lr"] = ([1, 2], [0.5, 1.0])
+    c.series["train/lr"] = ([1, 2], [0.5, 0.9])
+    assert _identical_runs([a, b, c], ["train/lr"]) == [["a", "b"]]
+    assert _identical_runs([a, c], ["train/lr"]) == []
