@@ -1,0 +1,59 @@
+"""benchmarks/trl_compare.py: the TRL settings mirror the grpo recipe; results parsing; rates."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def tc():
+    spec = importlib.util.spec_from_file_location("trl_compare", REPO / "benchmarks" / "trl_compare.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_trl_settings_mirror_the_grpo_recipe(tc):
+    from megatron_rl.config.loader import load_config
+
+    g = tc.trl_settings(load_config(str(REPO / "examples/tiny/grpo.yaml")))
+    # 16 prompts x 8 a step, mini-batches of 8 prompts -> 2 updates of 64 completions; warm-up 2 RL steps = 4 updates
+    assert g == {"per_device_train_batch_size": 64, "steps_per_generation": 2, "num_generations": 8,
+                 "max_completion_length": 64, "temperature": 1.0, "top_p": 1.0, "learning_rate": 1e-4,
+                 "warmup_steps": 4, "weight_decay": 0.0, "max_grad_norm": 1.0, "epsilon": 0.2, "epsilon_high": 0.2,
+                 "adam_beta1": 0.9, "adam_beta2": 0.999, "adam_epsilon": 1e-8}
+
+
+def test_trl_settings_refuse_what_trl_cannot_mirror(tc):
+    from megatron_rl.config.loader import load_config
+
+    with pytest.raises(ValueError, match="actor.loss_agg_mode=.token-mean.: the TRL comparison mirrors only"):
+        tc.trl_settings(load_config(str(REPO / "examples/tiny/dapo.yaml")))
+    with pytest.raises(ValueError, match="actor.ppo_micro_batch_size=16"):
+        tc.trl_settings(load_config(str(REPO / "examples/tiny/grpo.yaml"), ["actor.ppo_micro_batch_size=16"]))
+
+
+def test_read_eval_results(tc, tmp_path):
+    res = {"settings": {"n": 8}, "datasets": {"test": {
+        "avg@8": {"value": 0.3, "ci": [0.27, 0.33]}, "pass@8": {"value": 0.71, "ci": [0.6, 0.8]},
+        "format_valid": 1.0, "num_problems": 296}}}
+    (tmp_path / "results.json").write_text(json.dumps(res))
+    assert tc.read_eval_results(tmp_path / "results.json", 8) == {
+        "avg@8": 0.3, "avg@8_ci": [0.27, 0.33], "pass@8": 0.71, "format_valid": 1.0, "num_problems": 296}
+    with pytest.raises(ValueError, match="avg@4"):
+        tc.read_eval_results(tmp_path / "results.json", 4)
+
+
+def test_rates(tc):
+    s = tc.summarise({"rl_steps": 12, "train_s": 240.0, "generated_tokens": 24_000, "responses": 1536,
+                      "step_s": [10.0, 30.0, 20.0]})
+    assert s["rl_steps_per_min"] == pytest.approx(3.0)
+    assert s["generated_tokens_per_s"] == pytest.approx(100.0)
+    assert s["responses_per_s"] == pytest.approx(6.4)
+    assert s["median_step_s"] == 20.0
