@@ -18,7 +18,7 @@ One command, same CPU machine, one run of each, one after the other:
    top_p 1.0, 64 new tokens) on `examples/tiny/data/test.jsonl` (296 problems) for the base
    model, megatron-rl's final checkpoint and TRL's final weights (a Hugging Face folder).
 
-Prints a table and writes `benchmarks/results/trl_compare.json`. About 10-15 min on 2 idle CPU
+Prints a table and writes `benchmarks/results/trl_compare.json`. About 10-20 min on 2 lightly loaded CPU
 cores with the defaults (more under load: the ratio is what to read). The first run also creates
 the TRL environment (~5 GB, a few minutes from PyPI).
 
