@@ -36,6 +36,13 @@ def _train(argv: list[str]) -> int:
             print(f"# environment check deferred to launch: {desc}")
         return 0
     if cfg.trainer.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ:
+        checks = dict(environment_checks(cfg))  # the layout checks, before any rank starts
+        try:
+            checks["world size divisible by TP*PP*CP"]()
+            checks["mini-batches split evenly over data-parallel ranks"]()
+        except RuntimeError as e:
+            print(f"megatron-rl train: config error: {e}", file=sys.stderr)
+            return 2
         return _launch_local_ranks(cfg.trainer.nproc_per_node, argv)
     from megatron_rl.trainer.loop import TrainingInterrupted, run_training
 

@@ -38,6 +38,8 @@ VERL_ALIASES: dict[str, str] = {
     "actor_rollout_ref.actor.tis_imp_ratio_cap": "actor.tis.clip",
     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": "actor.max_tokens_per_micro_batch",
     "actor.ppo_max_token_len_per_gpu": "actor.max_tokens_per_micro_batch",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "actor.ppo_micro_batch_size",
+    "actor.ppo_micro_batch_size_per_gpu": "actor.ppo_micro_batch_size",
 }
 """verl's full dotted paths (longest match wins) -> this project's keys (ALGORITHMS.md preamble)."""
 
@@ -65,6 +67,21 @@ def _set_dotted(tree: dict, key: str, value: Any) -> None:
             raise ValueError(f"override {key}: {part!r} is a value, not a section")
         node = child
     node[parts[-1]] = value
+
+
+def _set_aliased(tree: dict, seen: dict[str, tuple[str, Any]], key: str, value: Any, where: str) -> None:
+    """Set `key` (resolved through VERL_ALIASES) in `tree`; two different spellings of one key with
+    different values in the same place (the recipe, or the overrides) are an error, not a silent
+    last-wins. A later override of the same spelling is fine (the command line overrides)."""
+    target = resolve_alias(key)
+    if target in seen and seen[target][0] != key and seen[target][1] != value:
+        first, before = seen[target]
+        raise ValueError(
+            f"{where}: {first}={before!r} and {key}={value!r} set the same key {target} (verl's name and this "
+            f"project's); keep one"
+        )
+    seen[target] = (key, value)
+    _set_dotted(tree, target, value)
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
@@ -193,13 +210,15 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
         if not isinstance(loaded, dict):
             raise ValueError(f"{p}: expected a mapping at the top level, got {type(loaded).__name__}")
         base = p.resolve().parent
+        seen: dict[str, tuple[str, Any]] = {}
         for key, value in _flatten(loaded).items():
-            _set_dotted(tree, resolve_alias(key), value)
+            _set_aliased(tree, seen, key, value, str(p))
         _resolve_paths(tree, base)
     over_tree: dict = {}
+    seen = {}
     for text in overrides or []:
         key, value = parse_override(text)
-        _set_dotted(over_tree, resolve_alias(key), value)
+        _set_aliased(over_tree, seen, key, value, "overrides")
     _resolve_paths(over_tree, Path.cwd())
     for key, value in _flatten(over_tree).items():
         _set_dotted(tree, key, value)
@@ -309,6 +328,14 @@ def validate_config(cfg: Config) -> None:
             f"data.max_prompt_length + data.max_response_length = {longest} tokens (padded); raise it to at least that"
         )
     t = cfg.trainer
+    if t.context_parallel_size > 1:
+        raise ValueError(
+            f"trainer.context_parallel_size={t.context_parallel_size}: this trainer does not implement context "
+            "parallelism: it does not split each sequence over the context-parallel ranks (megatron-core's "
+            "get_batch_on_this_cp_rank chunks) nor gather the per-token log-probs back, and megatron-core runs it only "
+            "in Transformer Engine's attention (TEDotProductAttention; its local attention asserts "
+            "context_parallel_size == 1). Set trainer.context_parallel_size=1 and use tensor/pipeline/data parallelism"
+        )
     if t.sequence_parallel and t.tensor_model_parallel_size == 1:
         raise ValueError("trainer.sequence_parallel needs trainer.tensor_model_parallel_size > 1")
     if cfg.model.path is None and cfg.model.hf_config_path is None:
@@ -388,27 +415,6 @@ def environment_checks(cfg: Config) -> list[tuple[str, callable]]:
                 f"actor.ppo_mini_batch_size x rollout.n = {mini} sequences per mini-batch do not split over "
                 f"{dp} data-parallel ranks (world {world} / TP*PP*CP {mp})"
             )
-
-    def context_parallel() -> str | None:
-        cp = t.context_parallel_size
-        if cp == 1:
-            return "not applicable: trainer.context_parallel_size is 1"
-        from megatron_rl.models.builder import transformer_engine_usable
-
-        if not transformer_engine_usable():
-            raise RuntimeError(
-                f"trainer.context_parallel_size={cp} needs trainer.transformer_impl=transformer_engine (auto picks it "
-                "when TE is usable) with Transformer Engine installed and a CUDA GPU: megatron-core runs context "
-                "parallelism only in TE's attention "
-                "(TEDotProductAttention); its local attention, the one used without TE (e.g. on CPU), refuses "
-                "context_parallel_size > 1. Set trainer.context_parallel_size=1"
-            )
-        raise RuntimeError(
-            f"trainer.context_parallel_size={cp}: Transformer Engine is available, but this trainer does not implement "
-            "context parallelism: it does not split each sequence over the context-parallel ranks (megatron-core's "
-            "get_batch_on_this_cp_rank chunks) nor gather the per-token log-probs back. Set "
-            "trainer.context_parallel_size=1 and use tensor/pipeline/data parallelism"
-        )
 
     def sequence_parallel() -> str | None:
         if not t.sequence_parallel:
@@ -492,7 +498,6 @@ def environment_checks(cfg: Config) -> list[tuple[str, callable]]:
         ("Transformer Engine and CUDA for trainer.transformer_impl=transformer_engine", transformer_impl),
         ("Transformer Engine and a Hopper GPU for FP8", fp8),
         ("Transformer Engine for sequence parallelism", sequence_parallel),
-        ("context parallelism (Transformer Engine attention)", context_parallel),
         ("model.path holds a Hugging Face model", model_files),
         ("rollout servers reachable (rollout.server_urls)", servers),
     ]

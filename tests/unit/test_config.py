@@ -37,6 +37,31 @@ def test_verl_aliases():
     assert cfg.actor.optim.lr == pytest.approx(2e-6)
 
 
+def test_verl_micro_batch_alias():
+    cfg = load_config(None, BASE + ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"])
+    assert cfg.actor.ppo_micro_batch_size == 4
+    assert load_config(None, BASE + ["actor.ppo_micro_batch_size_per_gpu=2"]).actor.ppo_micro_batch_size == 2
+
+
+def test_alias_and_canonical_key_conflict(tmp_path):
+    """verl's spelling and this project's spelling of one key, with different values, in one place:
+    an error naming both, not a silent last-wins; the same value twice is harmless."""
+    with pytest.raises(ValueError) as err:
+        load_config(None, BASE + ["actor_rollout_ref.actor.clip_ratio_high=0.28", "actor.clip_ratio_high=0.2"])
+    assert str(err.value) == ("overrides: actor_rollout_ref.actor.clip_ratio_high=0.28 and actor.clip_ratio_high=0.2 "
+                              "set the same key actor.clip_ratio_high (verl's name and this project's); keep one")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {path: /models/x}\ntrainer: {save_freq: 5, save_interval: 10}\n")
+    with pytest.raises(ValueError, match=rf"^{recipe}: trainer.save_freq=5 and trainer.save_interval=10 set the same "
+                                         r"key trainer.save_interval"):
+        load_config(recipe)
+    recipe.write_text("model: {path: /models/x}\ntrainer: {save_freq: 5, save_interval: 5}\n")
+    assert load_config(recipe).trainer.save_interval == 5
+    # the command line still overrides the recipe, in either spelling
+    assert load_config(recipe, ["trainer.save_freq=7"]).trainer.save_interval == 7
+    assert load_config(None, BASE + ["rollout.n=4", "rollout.n=6"]).rollout.n == 6
+
+
 def test_unknown_key_names_nearest():
     with pytest.raises(ValueError, match=r"unknown config key 'actor.clip_ratio_hihg'.*'actor.clip_ratio_high'"):
         load_config(None, BASE + ["actor.clip_ratio_hihg=0.3"])
@@ -211,3 +236,21 @@ def test_sequence_parallel_without_te_is_a_launch_error():
     else:
         with pytest.raises(RuntimeError, match="sequence_parallel needs Transformer Engine"):
             check()
+
+
+@pytest.mark.parametrize("over, words", [
+    (["trainer.nproc_per_node=3", "trainer.tensor_model_parallel_size=2"],
+     "world size 3 (trainer.nproc_per_node) is not divisible by trainer.tensor_model_parallel_size x "
+     "trainer.pipeline_model_parallel_size x trainer.context_parallel_size = 2 x 1 x 1 = 2"),
+    (["trainer.nproc_per_node=3", "actor.ppo_mini_batch_size=1", "rollout.n=4"],
+     "actor.ppo_mini_batch_size x rollout.n = 4 sequences per mini-batch do not split over 3 data-parallel ranks"),
+])
+def test_bad_layout_refused_before_ranks_start(tmp_path, over, words):
+    """`megatron-rl train` checks the layout in the launching process: exit 2, one message, and no
+    rank started (no run_dir written, no train.log)."""
+    run_dir = tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", "--config", "examples/tiny/grpo.yaml",
+                          f"run_dir={run_dir}", *over], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.startswith("megatron-rl train: config error: " + words), out.stderr
+    assert not run_dir.exists()

@@ -1,20 +1,18 @@
 """Context parallelism: megatron-core runs it only in Transformer Engine's attention, and this
-trainer does not split sequences over CP ranks. The refusal is exact about which case applies:
-statically for `transformer_impl: local`, at launch without TE (this CPU machine), and at launch
-with TE present (faked here) where the missing piece is the trainer's own sequence splitting."""
+trainer does not split sequences over CP ranks, so `context_parallel_size > 1` is refused by the
+static checks (`--dry-run` included), with the reason that applies: the local layer spec's
+attention for `transformer_impl: local`, the trainer's missing sequence splitting otherwise."""
 
-import importlib.util
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
-import torch
 
 from megatron_rl.config import environment_checks, load_config
 
 BASE = ["model.path=/models/x"]
-
-
-def _cp_check(cfg):
-    return dict(environment_checks(cfg))["context parallelism (Transformer Engine attention)"]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_megatron_core_local_attention_refuses_context_parallelism():
@@ -27,8 +25,10 @@ def test_megatron_core_local_attention_refuses_context_parallelism():
     assert "context_parallel_size == 1" in src and "TEDotProductAttention" in src
 
 
-def test_cp_one_does_not_apply():
-    assert _cp_check(load_config(None, BASE))() == "not applicable: trainer.context_parallel_size is 1"
+def test_cp_one_passes_and_world_size_counts_cp():
+    cfg = load_config(None, BASE + ["trainer.nproc_per_node=4", "trainer.tensor_model_parallel_size=2"])
+    assert cfg.trainer.context_parallel_size == 1
+    assert dict(environment_checks(cfg))["world size divisible by TP*PP*CP"]() is None
 
 
 def test_cp_with_local_layers_refused_statically():
@@ -38,27 +38,21 @@ def test_cp_with_local_layers_refused_statically():
         load_config(None, BASE + ["trainer.context_parallel_size=2", "trainer.transformer_impl=local"])
 
 
-def test_cp_without_transformer_engine_refused_at_launch():
-    if importlib.util.find_spec("transformer_engine") is not None and torch.cuda.is_available():
-        pytest.skip("Transformer Engine and CUDA present: the no-TE path does not apply")
-    cfg = load_config(None, BASE + ["trainer.context_parallel_size=2", "trainer.nproc_per_node=2"])
-    with pytest.raises(RuntimeError) as err:
-        _cp_check(cfg)()
-    assert str(err.value) == (
-        "trainer.context_parallel_size=2 needs trainer.transformer_impl=transformer_engine (auto picks it when TE is "
-        "usable) with Transformer Engine installed and a CUDA GPU: megatron-core runs context parallelism only in "
-        "TE's attention (TEDotProductAttention); its local attention, the one used without TE (e.g. on CPU), refuses "
-        "context_parallel_size > 1. Set trainer.context_parallel_size=1")
+@pytest.mark.parametrize("impl", ["auto", "transformer_engine"])
+def test_cp_refused_statically_with_any_layer_spec(impl):
+    with pytest.raises(ValueError) as err:
+        load_config(None, BASE + ["trainer.context_parallel_size=2", "trainer.nproc_per_node=2",
+                                  f"trainer.transformer_impl={impl}"])
+    msg = str(err.value)
+    assert msg.startswith("trainer.context_parallel_size=2: this trainer does not implement context parallelism: "
+                          "it does not split each sequence over the context-parallel ranks")
+    assert msg.endswith("Set trainer.context_parallel_size=1 and use tensor/pipeline/data parallelism")
 
 
-def test_cp_with_transformer_engine_says_the_trainer_lacks_sequence_splitting(monkeypatch):
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: object() if name == "transformer_engine" else real(name, *a))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    cfg = load_config(None, BASE + ["trainer.context_parallel_size=2", "trainer.nproc_per_node=2",
-                                    "trainer.transformer_impl=transformer_engine"])
-    with pytest.raises(RuntimeError, match=r"^trainer.context_parallel_size=2: Transformer Engine is available, but "
-                                           r"this trainer does not implement context parallelism: it does not split "
-                                           r"each sequence over the context-parallel ranks"):
-        _cp_check(cfg)()
+def test_dry_run_refuses_cp(tmp_path):
+    """The refusal happens before launch: `--dry-run` exits 2 with the message, as for any config error."""
+    out = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", "--config", "examples/tiny/grpo.yaml",
+                          "--dry-run", f"run_dir={tmp_path}", "trainer.context_parallel_size=2",
+                          "trainer.nproc_per_node=2"], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 2, out.stderr
+    assert "config error: trainer.context_parallel_size=2: this trainer does not implement" in out.stderr
