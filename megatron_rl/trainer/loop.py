@@ -191,9 +191,16 @@ class _Controller:
 class TrainingInterrupted(Exception):
     """The run stopped on SIGTERM/SIGUSR1 after writing the checkpoint of `step` (resume by rerunning)."""
 
-    def __init__(self, step: int, run_dir: Path) -> None:
-        super().__init__(f"stopped by a signal after step {step}; checkpoint in {run_dir}/checkpoints; "
-                         "rerun the same command to resume")
+    def __init__(self, step: int, run_dir: Path, trained: bool = True) -> None:
+        if trained:
+            text = (f"stopped by a signal after step {step}; checkpoint in {run_dir}/checkpoints; "
+                    "rerun the same command to resume")
+        elif step == 0:
+            text = "stopped by a signal before the first step (nothing trained, no checkpoint); rerun the same command"
+        else:
+            text = (f"stopped by a signal before step {step + 1}; the checkpoint of step {step} in "
+                    f"{run_dir}/checkpoints is intact; rerun the same command to resume")
+        super().__init__(text)
         self.step = step
 
 
@@ -333,6 +340,10 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
     from megatron_rl.trainer.batch import build_train_batch
     from megatron_rl.trainer.policy import LossSettings, PolicyTrainer
 
+    # installed first: a SIGTERM/SIGUSR1 during start-up (model build, server launch, the step-0
+    # eval) is acted on before the first step instead of killing the process
+    stop = _ExitSignal(enabled=cfg.trainer.exit_signal_handler)
+    stack.callback(stop.restore)
     is_controller = rank == 0
     ctl = _Controller(cfg, stack) if is_controller else None
     _CONTROLLER["current"] = ctl
@@ -450,8 +461,6 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
         writer = MetricsWriter(run_dir, tensorboard=t.tensorboard, wandb_project="megatron-rl" if t.wandb else None,
                                resume_from_step=resumed_from)
         stack.callback(writer.close)
-    stop = _ExitSignal(enabled=t.exit_signal_handler)
-    stack.callback(stop.restore)
 
     tp_group = pgs.tp if pgs.tp_size > 1 else None
 
@@ -543,6 +552,9 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
             keep_last_n=t.keep_last_n_checkpoints, is_writer=is_controller,
         )
 
+    if start_step <= t.total_training_steps and stop.requested():  # a signal during start-up or the step-0 eval
+        logger.warning("%s received before step %d: exiting without training it", stop.signal_name, start_step)
+        raise TrainingInterrupted(start_step - 1, run_dir, trained=False)
     for step in range(start_step, t.total_training_steps + 1):
         t_step = time.perf_counter()
         timings: dict = {"timing/generate_s": 0.0, "timing/reward_s": 0.0, "rollout/aborted": 0}

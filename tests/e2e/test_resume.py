@@ -174,6 +174,34 @@ def test_sigterm_checkpoints_and_exits_75_then_resumes(reference, tmp_path):
             _assert_same_step(rows[step], dict(ref[step]), step)
 
 
+def test_sigterm_during_start_up_exits_75_before_step_1(reference, tmp_path):
+    """A signal while the trainer is still starting (the rollout server coming up, the model being
+    built, the step-0 eval) is acted on before step 1: exit 75 with its own message, no step
+    trained, no checkpoint written, no server left; the same command then trains from scratch."""
+    pool, _, _ = reference
+    run_dir = tmp_path / "early"
+    proc = subprocess.Popen(_cmd(run_dir, pool), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT)
+    log = run_dir / "train.log"
+    try:
+        deadline = time.monotonic() + 300
+        while "starting rollout server" not in (log.read_text() if log.exists() else ""):
+            assert proc.poll() is None, f"run exited with {proc.returncode} before starting its server"
+            assert time.monotonic() < deadline, "no rollout server start in train.log after 300 s"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 75, err[-3000:]
+    assert "stopped by a signal before the first step (nothing trained, no checkpoint)" in err
+    assert _latest(run_dir) == 0
+    metrics = run_dir / "metrics.jsonl"
+    assert not metrics.exists() or all("train/loss" not in line for line in metrics.read_text().splitlines())
+    assert _no_server_left(run_dir, timeout_s=5)
+
+
 def test_resume_mode_disable_refuses_a_used_run_dir(reference, tmp_path):
     pool, _, _ = reference
     run_dir = tmp_path / "used"
