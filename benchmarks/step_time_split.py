@@ -15,11 +15,12 @@ Phases, from the per-step `timing/*` keys the trainer logs (`megatron_rl/trainer
 |---|---|---|
 | rollout | `timing/generate_s` | `/generate` on the rollout server(s), every generation batch of the step |
 | reward | `timing/reward_s` | the verifier in the reward process pool |
-| filter | remainder | dynamic sampling's group filter and the bookkeeping between generation batches: `timing/step_s` minus every timed phase (not timed on its own) |
+| filter | `timing/filter_s` | dynamic sampling's group filter and the bookkeeping between generation batches |
 | advantages | `timing/advantage_s` | advantages (+ DAA), the train batch, its broadcast to the other ranks |
 | log-probs | `timing/old_logprob_s` | old (and reference) log-probs of the batch |
 | update | `timing/update_s` | the PPO mini-batch updates (forward, backward, optimizer) |
 | sync | `timing/weight_sync_s` | the broadcast of the new weights to the rollout servers |
+| other | remainder | `timing/step_s` minus every timed phase (metrics, logging); runs from before `timing/filter_s` existed count their filter time here |
 
 The extra generation batches that dynamic sampling draws are part of "rollout"
 (`train/num_gen_batches` says how many a step took). Step 1 is left out of the means by default
@@ -43,11 +44,12 @@ REPO = Path(__file__).resolve().parents[1]
 PHASES: tuple[tuple[str, str | None], ...] = (
     ("rollout", "timing/generate_s"),
     ("reward", "timing/reward_s"),
-    ("filter", None),
+    ("filter", "timing/filter_s"),
     ("advantages", "timing/advantage_s"),
     ("log-probs", "timing/old_logprob_s"),
     ("update", "timing/update_s"),
     ("sync", "timing/weight_sync_s"),
+    ("other", None),
 )
 """(phase name, metrics.jsonl key); None = the remainder of `timing/step_s`."""
 
@@ -73,7 +75,7 @@ def load_step_rows(run_dir: Path) -> list[dict]:
 def split(rows: list[dict]) -> dict:
     """Mean seconds and share of the step per phase over `rows` (each a metrics.jsonl step row).
 
-    The filter phase is `timing/step_s` minus the timed phases (clamped at 0). Returns
+    The "other" phase is `timing/step_s` minus the timed phases (clamped at 0). Returns
     `{"steps": n, "step_s": mean, "phases": {name: {"mean_s", "share", "median_s"}}, ...}`;
     shares are of the mean step time and add up to 1.
     """
@@ -87,7 +89,7 @@ def split(rows: list[dict]) -> dict:
                 v = float(r.get(key, 0.0))
                 per_phase[name].append(v)
                 timed += v
-        per_phase["filter"].append(max(float(r["timing/step_s"]) - timed, 0.0))
+        per_phase["other"].append(max(float(r["timing/step_s"]) - timed, 0.0))
     total = sum(statistics.mean(v) for v in per_phase.values())
     out = {name: {"mean_s": statistics.mean(v), "median_s": statistics.median(v),
                   "share": statistics.mean(v) / total if total else 0.0} for name, v in per_phase.items()}

@@ -565,6 +565,13 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
             """Steps 1-5 on the controller: the step's groups, their advantages and the batch."""
             # 1-3. draw prompts, rollout, reward (one generation batch per call).
             def generate_batch(batch_idx: int):
+                t_gen = time.perf_counter()
+                try:
+                    return _generate_batch(batch_idx)
+                finally:
+                    in_batches[0] += time.perf_counter() - t_gen
+
+            def _generate_batch(batch_idx: int):
                 if over_sampling:  # launch more prompts than needed, abort the rest once the batch is full
                     rows = dataset.next_batch(cfg.rollout.over_sampling_batch_size)
                     groups, tm = ctl.manager.generate_groups(
@@ -594,14 +601,18 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
                 return len(values) >= 2 and max(values) > min(values)
 
             kept_so_far = [0]
+            in_batches = [0.0]  # seconds inside generate_batch (rollout + reward + per-group bookkeeping)
 
             # 4. dynamic sampling (or keep every group of one batch).
+            t_collect = time.perf_counter()
             kept, ds_stats = collect_groups(
                 generate_batch, train_batch_size=cfg.data.train_batch_size,
                 max_num_gen_batches=fg.max_num_gen_batches, on_exhausted=fg.on_exhausted,
                 ppo_mini_batch_size=a.ppo_mini_batch_size, dp_size=pgs.dp_size, enable=fg.enable, keep_fn=keep,
                 solve_rate_fn=lambda g: g.num_correct / max(g.num_valid, 1),
             )
+            # the group filter and the bookkeeping between generation batches, outside the batches
+            timings["timing/filter_s"] = time.perf_counter() - t_collect - in_batches[0]
             samples = [s for g in kept for s in g.samples]
 
             # 5. advantages, then DAA on hard prompts' correct responses.

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.timeout(900)
 REQUIRED_STEP_KEYS = {
     "train/score", "train/acc", "response_length/mean", "response_length/max", "response_length/clip_ratio",
     "train/entropy", "train/pg_clipfrac", "train/pg_clipfrac_lower", "train/ppo_kl", "train/grad_norm",
-    "train/num_gen_batches", "train/kept_groups", "train/daa_amplified_frac", "timing/step_s",
+    "train/num_gen_batches", "train/kept_groups", "train/daa_amplified_frac", "timing/step_s", "timing/filter_s",
     "perf/generate_tokens_per_s", "weight_sync/version",
 }
 
@@ -44,6 +44,10 @@ def test_ci_recipe_end_to_end(tmp_path):
         assert REQUIRED_STEP_KEYS <= set(r), REQUIRED_STEP_KEYS - set(r)
         assert r["train/kept_groups"] == 8
         assert r["weight_sync/version"] == r["step"]
+        # the phases are disjoint parts of the step (benchmarks/step_time_split.py adds them up)
+        phases = ("generate", "reward", "filter", "advantage", "old_logprob", "update", "weight_sync")
+        assert all(r[f"timing/{p}_s"] >= 0 for p in phases)
+        assert sum(r[f"timing/{p}_s"] for p in phases) <= r["timing/step_s"] + 1e-6
     # the eval rows (step 0: before, step 3: after) carry summary.json's per-level results
     evals = {r["step"]: r for r in rows if "eval/avg@4" in r}
     for step, key in ((0, "eval_before"), (3, "eval_after")):
