@@ -5,7 +5,9 @@ embedded server; the trainer (this process) pushes it with ``WeightSyncSender`` 
 bucketed broadcast + the server's load), then a raw ``torch.distributed.broadcast`` of the same
 bytes in the same bucket sizes goes from this process to a plain receiver process over a group
 built the same way (``init_custom_process_group``, same backend, same loopback). Reported: GB/s of
-each and the ratio (issue 5's target: >= 0.8).
+each and the ratio (issue 5's target: >= 0.8), for both ``weight_sync.load_format`` values:
+``flattened_bucket`` (the tensors of a bucket copied into one buffer) and null (one broadcast per
+tensor, no copy on the trainer side).
 
 Part 2 (``--part tiny``): the SFT'd tiny model in megatron-core (a world of one): the sync's time
 split into producing the HF tensors (megatron -> HF names, TP gathers when TP > 1, cast,
@@ -77,7 +79,7 @@ def raw_broadcast_gbps(sizes: list[int], repeats: int) -> float:
     return sum(sizes) * repeats / 1e9 / elapsed
 
 
-def part_big(bucket_mib: float, repeats: int) -> dict:
+def part_big(bucket_mib: float, repeats: int, load_format: str | None = "flattened_bucket") -> dict:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from megatron_rl.rollout.launcher import launch_servers
@@ -98,7 +100,7 @@ def part_big(bucket_mib: float, repeats: int) -> dict:
                                    embedded_args=["--dtype", "float32", "--weight-sync-timeout-s", "600"])
     try:
         client = server.client(timeout_s=600)
-        sender = WeightSyncSender([client], bucket_size_mib=bucket_mib, timeout_s=600)
+        sender = WeightSyncSender([client], bucket_size_mib=bucket_mib, timeout_s=600, load_format=load_format)
         sender.init_group()
         sender.sync(iter(state), weight_version="warmup")
         runs = [sender.sync(iter(state), weight_version=str(i)) for i in range(repeats)]
@@ -110,7 +112,7 @@ def part_big(bucket_mib: float, repeats: int) -> dict:
     best = min(runs, key=lambda m: m["weight_sync/time_s"])
     sync_gbps = nbytes / 1e9 / best["weight_sync/time_s"]
     return {
-        "model_bytes": nbytes, "bucket_size_mib": bucket_mib, "num_buckets": len(sizes),
+        "model_bytes": nbytes, "bucket_size_mib": bucket_mib, "num_buckets": len(sizes), "load_format": load_format,
         "sync_time_s": best["weight_sync/time_s"], "sync_gb_per_s": sync_gbps, "raw_broadcast_gb_per_s": raw,
         "ratio": sync_gbps / raw,
         "split_s": {k.split("/")[1]: best[k] for k in ("weight_sync/bucket_prepare_time_s", "weight_sync/broadcast_time_s",
@@ -153,6 +155,8 @@ def main() -> None:
     ap.add_argument("--part", choices=["big", "tiny", "both"], default="both")
     ap.add_argument("--bucket-size-mib", type=float, default=512.0)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--load-format", choices=["flattened_bucket", "null", "both"], default="both",
+                    help="weight_sync.load_format of the big part (null = one broadcast per tensor)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "sync_throughput.json"))
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -168,14 +172,18 @@ def main() -> None:
                          ("control_time_s", "HTTP control calls"), ("time_s", "total")):
             print(f"  {label:<40} {t[k]:>9.4f}")
     if args.part in ("big", "both"):
-        result["big"] = b = part_big(args.bucket_size_mib, args.repeats)
-        print(f"\n1 GB synthetic model ({b['model_bytes'] / 1e9:.2f} GB, {b['num_buckets']} buckets of "
-              f"<= {b['bucket_size_mib']:.0f} MiB), best of {args.repeats}:")
-        print(f"  {'':<28} {'GB/s':>8}")
-        print(f"  {'WeightSyncSender.sync':<28} {b['sync_gb_per_s']:>8.3f}")
-        print(f"  {'raw dist.broadcast':<28} {b['raw_broadcast_gb_per_s']:>8.3f}")
-        print(f"  ratio {b['ratio']:.2f} (target >= 0.8); split: "
-              + ", ".join(f"{k} {v:.2f}s" for k, v in b["split_s"].items()))
+        formats = {"flattened_bucket": ["flattened_bucket"], "null": [None], "both": ["flattened_bucket", None]}
+        for fmt in formats[args.load_format]:
+            key = "big" if fmt == "flattened_bucket" else "big_per_tensor"
+            result[key] = b = part_big(args.bucket_size_mib, args.repeats, fmt)
+            print(f"\n1 GB synthetic model ({b['model_bytes'] / 1e9:.2f} GB, {b['num_buckets']} buckets of "
+                  f"<= {b['bucket_size_mib']:.0f} MiB), load_format {fmt or 'null (one broadcast per tensor)'}, "
+                  f"best of {args.repeats}:")
+            print(f"  {'':<28} {'GB/s':>8}")
+            print(f"  {'WeightSyncSender.sync':<28} {b['sync_gb_per_s']:>8.3f}")
+            print(f"  {'raw dist.broadcast':<28} {b['raw_broadcast_gb_per_s']:>8.3f}")
+            print(f"  ratio {b['ratio']:.2f} (target >= 0.8); split: "
+                  + ", ".join(f"{k} {v:.2f}s" for k, v in b["split_s"].items()))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))

@@ -390,6 +390,10 @@ class WeightSyncConfig:
     master_port: Optional[int] = None
     """TCPStore port of the weight-sync group; None = a free port."""
     timeout_s: float = 600.0
+    load_format: Optional[str] = "flattened_bucket"
+    """SGLang's `load_format` of `/update_weights_from_distributed`: `flattened_bucket` (the tensors of a
+    bucket copied into one uint8 tensor, one broadcast a bucket) or null (one broadcast per tensor, no
+    copy on the trainer side; slime's way). The servers load the same weights either way."""
     check_checksums: bool = False
     """After every sync, compare a SHA-256 per tensor of each server's weights (`/get_weights_by_name`)
     with the trainer's; a mismatch fails the sync. Costs a full read-back of the weights over HTTP."""
@@ -397,6 +401,7 @@ class WeightSyncConfig:
     def __post_init__(self) -> None:
         _positive("weight_sync", "bucket_size_mib", self.bucket_size_mib)
         _choice("weight_sync", "backend", self.backend, ("gloo", "nccl"))
+        _choice("weight_sync", "load_format", self.load_format, ("flattened_bucket", None))
         _positive("weight_sync", "timeout_s", self.timeout_s)
         if self.master_port is not None and not 1 <= self.master_port <= 65535:
             raise ValueError(f"weight_sync.master_port: {self.master_port!r} must be a TCP port (1-65535) or null")

@@ -1317,22 +1317,19 @@ def build_app(state: ServerState):
         def receive_and_load() -> None:
             import torch.distributed as dist
 
+            meta = BucketMeta(names=body.names, dtypes=body.dtypes, shapes=body.shapes)
+            # one receive buffer kept across buckets and syncs (load_weights copies out of it; update
+            # calls run one at a time under the write lock): no fresh pages to fault in per bucket
+            if state.recv_buffer is None or state.recv_buffer.numel() < meta.nbytes:
+                state.recv_buffer = None
+                state.recv_buffer = torch.empty(meta.nbytes, dtype=torch.uint8)
+            flat = state.recv_buffer[: meta.nbytes]  # (nbytes,)
+            named = unflatten_bucket(flat, meta)  # views into flat
             if body.load_format == "flattened_bucket":
-                meta = BucketMeta(names=body.names, dtypes=body.dtypes, shapes=body.shapes)
-                # one receive buffer kept across buckets and syncs (load_weights copies out of it; update
-                # calls run one at a time under the write lock): no fresh pages to fault in per bucket
-                if state.recv_buffer is None or state.recv_buffer.numel() < meta.nbytes:
-                    state.recv_buffer = None
-                    state.recv_buffer = torch.empty(meta.nbytes, dtype=torch.uint8)
-                flat = state.recv_buffer[: meta.nbytes]  # (nbytes,)
                 dist.broadcast(flat, src=0, group=pg)
-                named = unflatten_bucket(flat, meta)
-            else:
-                named = []
-                for name, dt, shape in zip(body.names, dtypes, body.shapes):
-                    t = torch.empty(shape, dtype=dt)
+            else:  # null: one broadcast per tensor, in list order, each into its view
+                for _, t in named:
                     dist.broadcast(t, src=0, group=pg)
-                    named.append((name, t))
             engine.load_weights(named)  # validates every name and shape before writing any
 
         async def run():

@@ -158,7 +158,7 @@ class _Controller:
         ws = cfg.weight_sync
         self.sender = WeightSyncSender(
             self.clients, master_address=ws.master_address, master_port=ws.master_port, backend=ws.backend,
-            bucket_size_mib=ws.bucket_size_mib, timeout_s=ws.timeout_s,
+            bucket_size_mib=ws.bucket_size_mib, timeout_s=ws.timeout_s, load_format=ws.load_format,
         )
         self.sender.init_group()
         stack.callback(self.sender.destroy)

@@ -254,7 +254,8 @@ def wire_buckets(
     *,
     dtype: torch.dtype | str | None,
     bucket_size_mib: float,
-) -> Iterator[tuple[torch.Tensor, BucketMeta, bool]]:
+    flatten: bool = True,
+) -> Iterator[tuple[torch.Tensor | list[torch.Tensor], BucketMeta, bool]]:
     """The one path from trainer tensors to sync payloads: cast, bucket, flatten (case B26).
 
     Every sync path (the broadcast sender, the checksum check, benchmarks) goes through here,
@@ -265,10 +266,13 @@ def wire_buckets(
         named_tensors: ``(HF name, full tensor)`` pairs, consumed lazily.
         dtype: the servers' weight dtype (``server_weight_dtype``); None sends tensors as they are.
         bucket_size_mib: most bytes per bucket (``bucket_named_tensors``), sizes measured after the cast.
+        flatten: True for SGLang's ``load_format="flattened_bucket"`` (one uint8 tensor a bucket);
+            False for ``load_format=null`` (one broadcast per tensor): ``flat`` is then the list of
+            the bucket's tensors, each contiguous (no copy when it already is).
 
     Yields:
-        ``(flat, meta, is_last)``: ``flat`` ``[meta.nbytes] uint8``, its ``BucketMeta``, and whether
-        it is the last bucket, in input order. The next bucket's tensors are taken from
+        ``(flat, meta, is_last)``: ``flat`` ``[meta.nbytes] uint8`` (or the tensors, see ``flatten``),
+        its ``BucketMeta``, and whether it is the last bucket, in input order. The next bucket's tensors are taken from
         ``named_tensors`` (one bucket ahead) before a bucket is yielded, but only flattened when
         the consumer asks for it, so a sender can flatten bucket k+1 while bucket k is on the wire.
     """
@@ -276,6 +280,11 @@ def wire_buckets(
     current = next(buckets, None)
     while current is not None:
         following = next(buckets, None)
-        flat, meta = flatten_bucket(current)
+        if flatten:
+            flat, meta = flatten_bucket(current)
+        else:
+            flat = [t.detach().contiguous() for _, t in current]
+            meta = BucketMeta(names=[n for n, _ in current], dtypes=[dtype_name(t.dtype) for t in flat],
+                              shapes=[list(t.shape) for t in flat])
         yield flat, meta, following is None
         current = following

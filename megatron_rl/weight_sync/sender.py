@@ -40,6 +40,20 @@ def _digest(tensor: torch.Tensor) -> str:
     return hashlib.sha256(tensor.detach().to(torch.float32).contiguous().numpy().tobytes()).hexdigest()
 
 
+class _AllWorks:
+    """Several ``dist.Work`` handles seen as one (``is_completed`` / ``wait``), for ``_wait_all``."""
+
+    def __init__(self, works: list) -> None:
+        self.works = works
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self, timeout=None) -> None:
+        for w in self.works:
+            w.wait(timeout=timeout)
+
+
 class WeightSyncSender:
     """Broadcast trainer weights to rollout servers (SGLang or embedded) over one private group.
 
@@ -54,6 +68,10 @@ class WeightSyncSender:
         dtype: dtype the servers hold their weights in; None reads ``/model_info`` ``dtype`` from the
             first server (the embedded server reports it; when absent, tensors are sent as they are
             and the server casts on load).
+        load_format: SGLang's ``load_format`` of ``/update_weights_from_distributed``:
+            ``"flattened_bucket"`` (one broadcast of one uint8 tensor a bucket: the tensors are
+            copied into it) or None (one broadcast per tensor, in the bucket's order: no copy on
+            this side, one collective call per tensor; what slime does).
 
     Call ``init_group()`` once (and again after a server restart or a ``group_broken`` error),
     ``sync(...)`` after every optimizer step, ``destroy()`` at exit. With several sending ranks
@@ -71,11 +89,15 @@ class WeightSyncSender:
         bucket_size_mib: float = 512,
         timeout_s: float = 600.0,
         dtype: torch.dtype | None = None,
+        load_format: str | None = "flattened_bucket",
     ) -> None:
         if not clients:
             raise ValueError("WeightSyncSender needs at least one rollout client")
         if bucket_size_mib <= 0 or timeout_s <= 0:
             raise ValueError(f"bucket_size_mib and timeout_s must be > 0, got {bucket_size_mib}, {timeout_s}")
+        if load_format not in (None, "flattened_bucket"):
+            raise ValueError(f"load_format must be 'flattened_bucket' or None, got {load_format!r}")
+        self.load_format = load_format
         self.clients = list(clients)
         self.master_address = master_address
         self.master_port = master_port
@@ -279,7 +301,9 @@ class WeightSyncSender:
         broadcast_s = prepare_s = load_s = 0.0
         try:
             tp = time.perf_counter()
-            buckets = wire_buckets(named_tensors, dtype=self.dtype, bucket_size_mib=self.bucket_size_mib)
+            flatten = self.load_format == "flattened_bucket"
+            buckets = wire_buckets(named_tensors, dtype=self.dtype, bucket_size_mib=self.bucket_size_mib,
+                                   flatten=flatten)
             current = next(buckets, None)
             prepare_s += time.perf_counter() - tp
             if current is None:
@@ -295,13 +319,16 @@ class WeightSyncSender:
                         group_name=self.group_name,
                         flush_cache=False,
                         weight_version=weight_version if is_last else None,
-                        load_format="flattened_bucket",
+                        load_format=self.load_format,
                         timeout_s=self.timeout_s,
                     )
                     for c in self.clients
                 ]
                 tb = time.perf_counter()
-                work = dist.broadcast(flat, src=0, group=self._pg, async_op=True)
+                if flatten:
+                    work = dist.broadcast(flat, src=0, group=self._pg, async_op=True)
+                else:  # one collective per tensor, in list order
+                    work = _AllWorks([dist.broadcast(t, src=0, group=self._pg, async_op=True) for t in flat])
                 # the next bucket is gathered and flattened while this one is on the wire
                 tp = time.perf_counter()
                 following = None if is_last else next(buckets)
@@ -309,7 +336,7 @@ class WeightSyncSender:
                 done_at = self._wait_all(posts, work, f"bucket {num_buckets} ({len(meta.names)} tensors)", group_op=True)
                 broadcast_s += done_at - tb
                 load_s += time.perf_counter() - done_at
-                nbytes += flat.numel()
+                nbytes += flat.numel() if flatten else sum(t.numel() * t.element_size() for t in flat)
                 num_buckets += 1
                 num_tensors += len(meta.names)
                 current = following

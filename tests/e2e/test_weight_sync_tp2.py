@@ -6,7 +6,8 @@ the TP shards into HF tensors (rank 1 takes part in every gather) and broadcasts
 servers in one weight-update group. After every sync, each server's greedy generations must equal
 a greedy decoding loop over the trainer's own megatron forward (logits gathered over TP, padded
 vocabulary masked), for bucket sizes of 1 MiB (several buckets) and 512 MiB (one bucket) on the
-same weights, over two rounds of changed weights.
+same weights, over two rounds of changed weights: round 1 in SGLang's `flattened_bucket` format,
+round 2 with one broadcast per tensor (`load_format` null, `weight_sync.load_format`).
 """
 
 from __future__ import annotations
@@ -84,15 +85,19 @@ def _rank_main() -> None:
         perturb(round_)
         want = [megatron_greedy(p) for p in prompts]
         entry = {"megatron": want, "syncs": []}
+        # round 1: SGLang's flattened_bucket format, round 2: one broadcast per tensor (load_format null)
+        fmt = "flattened_bucket" if round_ == 1 else None
         for bucket_mib in ((1, 512) if round_ == 1 else (512, 1)):
             version += 1
             named = iter_hf_weights(model, hf_config, tp_group=pgs.tp)
             if controller:
                 sender.bucket_size_mib = bucket_mib
+                sender.load_format = fmt
                 metrics = sender.sync(named, weight_version=str(version))
                 servers = [[c.generate(p, {"max_new_tokens": MAX_NEW, "temperature": 0.0}, rid=f"v{version}-{i}").output_ids
                             for i, p in enumerate(prompts)] for c in clients]
                 entry["syncs"].append({"bucket_mib": bucket_mib, "num_buckets": metrics["weight_sync/num_buckets"],
+                                       "load_format": fmt, "num_tensors": metrics["weight_sync/num_tensors"],
                                        "versions": [c.weight_version() for c in clients], "servers": servers})
             else:
                 for _ in named:  # take part in the TP gathers
@@ -156,9 +161,11 @@ def test_tp2_trainer_two_servers_greedy_equals_megatron_any_bucket_size(tmp_path
             version += 1
             assert sync["versions"] == [str(version)] * 2
             for server_out in sync["servers"]:
-                assert server_out == r["megatron"], (sync["bucket_mib"], server_out, r["megatron"])
+                assert server_out == r["megatron"], (sync["bucket_mib"], sync["load_format"], server_out, r["megatron"])
             buckets[sync["bucket_mib"]] = sync["num_buckets"]
         assert buckets[512] == 1 and buckets[1] >= 3, buckets
+    assert [s["load_format"] for r in rounds for s in r["syncs"]] == ["flattened_bucket"] * 2 + [None] * 2
+    assert len({s["num_tensors"] for r in rounds for s in r["syncs"]}) == 1  # every tensor sent in either format
 
 
 if __name__ == "__main__":

@@ -120,3 +120,25 @@ def test_errors():
         BucketMeta(["x"], [], [[1]])
     with pytest.raises(ValueError, match="empty"):
         flatten_bucket([])
+
+
+def test_unflattened_wire_buckets_same_meta_and_no_copy_of_contiguous_tensors():
+    """`load_format` null: the same buckets and metadata as flattened_bucket, the tensors themselves
+    (contiguous ones not copied, the non-contiguous one made contiguous), cast like the flat path."""
+    from megatron_rl.weight_sync.buckets import wire_buckets
+
+    named = _named()
+    flat_path = list(wire_buckets(iter(named), dtype=torch.float32, bucket_size_mib=1))
+    plain = list(wire_buckets(iter(named), dtype=torch.float32, bucket_size_mib=1, flatten=False))
+    assert [m for _, m, _ in plain] == [m for _, m, _ in flat_path]
+    assert [last for *_, last in plain] == [last for *_, last in flat_path] == [False] * (len(plain) - 1) + [True]
+    sent = [t for tensors, _, _ in plain for t in tensors]
+    received = [t for flat, meta, _ in flat_path for _, t in unflatten_bucket(flat, meta)]
+    assert len(sent) == len(named)
+    for t, u in zip(sent, received, strict=True):
+        assert t.is_contiguous() and _bitwise_equal(t, u)
+    by_name = dict(named)
+    assert sent[1].dtype == torch.float32 and sent[1].data_ptr() == by_name["b.bias"].data_ptr()  # no copy
+    assert sent[5].data_ptr() == by_name["f.big"].data_ptr()
+    assert sent[0].dtype == torch.float32  # bf16 cast to the server's dtype
+    assert sent[2].dtype == torch.int64  # buffers keep theirs
