@@ -253,6 +253,24 @@ class _ExitSignal:
         self._previous = {}
 
 
+def _layout_hints(t, dp_size: int, use_te: bool) -> list[str]:
+    """Memory savers left off where they apply (verl and the 32B recipes turn both on): one line each.
+
+    Args:
+        t: the trainer config section; dp_size: data-parallel ranks; use_te: Transformer Engine layers in use.
+    """
+    hints = []
+    if t.tensor_model_parallel_size > 1 and use_te and not t.sequence_parallel:
+        hints.append(f"trainer.sequence_parallel is off with tensor_model_parallel_size={t.tensor_model_parallel_size}: "
+                     "norm and dropout activations are kept whole on every TP rank; set trainer.sequence_parallel=true "
+                     "to split them (verl's default)")
+    if dp_size > 1 and not t.use_distributed_optimizer:
+        hints.append(f"trainer.use_distributed_optimizer is off with {dp_size} data-parallel ranks: every rank keeps "
+                     "the full fp32 master weights and Adam states; set trainer.use_distributed_optimizer=true to "
+                     "shard them over DP (verl's default)")
+    return hints
+
+
 def _warn_config_changes(cfg: Config, saved_path: Path) -> None:
     """Log the keys whose values differ from the config the checkpoint was written with."""
     if not saved_path.is_file():
@@ -364,6 +382,8 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
         stack.callback(destroy_parallel)
     if is_controller:
         save_config(cfg, run_dir / "config.yaml")
+        for hint in _layout_hints(t, pgs.dp_size, use_te_for(t.transformer_impl)):
+            logger.warning(hint)
     torch.manual_seed(t.seed)
 
     # data first: a bad row or an over-long prompt fails in seconds, before the model is built.

@@ -254,3 +254,18 @@ def test_bad_layout_refused_before_ranks_start(tmp_path, over, words):
     assert out.returncode == 2, out.stderr
     assert out.stderr.startswith("megatron-rl train: config error: " + words), out.stderr
     assert not run_dir.exists()
+
+
+def test_layout_hints_name_the_memory_savers_left_off():
+    from megatron_rl.trainer.loop import _layout_hints
+
+    t = load_config(None, BASE + ["trainer.tensor_model_parallel_size=2", "trainer.nproc_per_node=8"]).trainer
+    hints = _layout_hints(t, dp_size=4, use_te=True)
+    assert len(hints) == 2
+    assert hints[0].startswith("trainer.sequence_parallel is off with tensor_model_parallel_size=2")
+    assert hints[1].startswith("trainer.use_distributed_optimizer is off with 4 data-parallel ranks")
+    # without TE, sequence parallelism is not possible (refused), so no hint; one DP rank: nothing to shard
+    assert _layout_hints(t, dp_size=1, use_te=False) == []
+    on = load_config(None, BASE + ["trainer.tensor_model_parallel_size=2", "trainer.sequence_parallel=true",
+                                   "trainer.use_distributed_optimizer=true"]).trainer
+    assert _layout_hints(on, dp_size=4, use_te=True) == []
