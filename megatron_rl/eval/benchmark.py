@@ -74,7 +74,26 @@ def load_benchmark(spec: str, data_dir: Optional[Path] = None) -> tuple[str, lis
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such dataset file (benchmarks: {', '.join(BENCHMARKS)}; "
                                 "or give a verl-format .jsonl/.parquet path)")
-    return name, load_rows(path, adapter=adapter, name=name)
+    rows = load_rows(path, adapter=adapter, name=name)
+    if not rows:
+        raise ValueError(f"{path}: no problems in the file (empty or blank lines only)")
+    return name, rows
+
+
+def unique_names(datasets: Sequence[tuple[str, list]]) -> list[tuple[str, list]]:
+    """Make dataset names unique (`test`, `test-2`, ...): results.json and per_problem/<name>.jsonl
+    are keyed by name, so two files with one stem (`a/test.jsonl`, `b/test.jsonl`) must not collide."""
+    seen: set[str] = set()
+    out = []
+    for name, rows in datasets:
+        new, i = name, 2
+        while new in seen:
+            new, i = f"{name}-{i}", i + 1
+        if new != name:
+            logger.warning("dataset name %r is taken by an earlier --data entry: reported as %r", name, new)
+        seen.add(new)
+        out.append((new, rows))
+    return out
 
 
 def ks_for(n: int) -> list[int]:
@@ -198,7 +217,8 @@ def evaluate_datasets(manager, pool, tokenizer, datasets: Sequence[tuple[str, li
             for rec in records:
                 fh.write(json.dumps(rec) + "\n")
         logger.info("%s: %s", name, format_row(name, summary))
-    (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+        # after every dataset: a later failure keeps the finished datasets' results
+        (out_dir / "results.json").write_text(json.dumps(results, indent=2) + "\n")
     return results
 
 
@@ -269,9 +289,20 @@ def run_eval(*, datasets: Sequence[str], out_dir: str | os.PathLike, checkpoint:
         raise ValueError("no datasets to evaluate")
     if settings.n < 1:
         raise ValueError(f"n must be >= 1, got {settings.n}")
+    if settings.max_problems < 0:
+        raise ValueError(f"max_problems must be >= 0 (0: all problems), got {settings.max_problems}")
+    if settings.verifier is not None:
+        import megatron_rl.rewards  # noqa: F401  (registers the reward functions)
+        from megatron_rl.rewards.registry import REWARD_FNS
+
+        if settings.verifier not in REWARD_FNS:
+            raise ValueError(f"unknown verifier {settings.verifier!r}; known: {', '.join(REWARD_FNS.names())}")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    loaded = [load_benchmark(d, Path(data_dir) if data_dir else None) for d in datasets]
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"output folder {out}: cannot be created ({e.strerror}); expected a folder path") from None
+    loaded = unique_names([load_benchmark(d, Path(data_dir) if data_dir else None) for d in datasets])
     with ExitStack() as stack:
         if checkpoint is not None:
             ckpt = Path(checkpoint)

@@ -49,10 +49,10 @@ def evaluate(manager, rows: Sequence[PromptRow], *, n: int, temperature: float, 
         out["greedy_acc"] = sum(greedy_correct) / len(rows)
     levels = defaultdict(list)
     for i, row in enumerate(rows):
-        levels[(row.extra_info or {}).get("level")].append(i)
+        levels[level_key((row.extra_info or {}).get("level"))].append(i)
     if len(levels) > 1 or None not in levels:
         by_level = {}
-        for level, idx in sorted(levels.items(), key=lambda kv: str(kv[0])):
+        for level, idx in sorted(levels.items(), key=lambda kv: (kv[0] is None, _natural(kv[0]))):
             rec = {
                 "num_problems": len(idx),
                 f"avg@{n}": avg_at_k([correct[i] for i in idx]),
@@ -65,6 +65,28 @@ def evaluate(manager, rows: Sequence[PromptRow], *, n: int, temperature: float, 
         out["by_level"] = by_level
     out["wall_s"] = time.perf_counter() - t0
     return out
+
+
+def level_key(level) -> str | None:
+    """One spelling per difficulty level, so rows labelled `3`, `"3"`, `3.0` or `"Level 3"` (MATH-500
+    and lighteval MATH mixed) are one bucket `"3"`; other labels keep their text (stripped); None
+    (no level) stays None."""
+    if level is None:
+        return None
+    text = re.sub(r"(?i)^\s*level[\s_]*", "", str(level)).strip()
+    try:
+        value = float(text)
+    except ValueError:
+        return text
+    return str(int(value)) if value.is_integer() else text
+
+
+def _natural(level: str | None) -> tuple:
+    """Sort key: numeric levels by value, then other labels by text."""
+    try:
+        return (0, float(level), "")
+    except (TypeError, ValueError):
+        return (1, 0.0, str(level))
 
 
 def eval_metric_row(res: dict, prefix: str = "eval") -> dict[str, float]:

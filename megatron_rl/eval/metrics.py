@@ -41,9 +41,12 @@ def maj_at_k(answers: Sequence[Sequence[str | None]], correct: Sequence[Sequence
     """maj@k per problem: the share of the `n // k` disjoint chunks of k consecutive samples whose
     majority answer is correct (self-consistency, Wang et al. 2022, arXiv 2203.11171).
 
-    Votes are the normalised answers (`None`, no answer, does not vote); a tie goes to the answer
-    that appears first in the chunk; a chunk without any answer counts as wrong. The majority
-    answer is correct iff a sample giving it was verified correct.
+    Votes are cast by equivalence class: every sample the verifier judged correct votes for the
+    gold answer (so `023`, `23` and `\\frac{1}{2}` / `0.5` are one vote each for the same value),
+    and a wrong sample votes for its normalised answer string (two wrong answers that differ only
+    in form count apart, which can only lower a wrong majority; a wrong answer never merges with
+    a correct one). `None` (no answer) does not vote; a tie goes to the class that appears first in
+    the chunk; a chunk without any answer counts as wrong.
 
     Args:
         answers: [P][n] normalised answers.
@@ -66,16 +69,15 @@ def maj_at_k(answers: Sequence[Sequence[str | None]], correct: Sequence[Sequence
         chunks = n // k
         wins = 0
         for c in range(chunks):
-            votes: dict[str, int] = {}
-            right: dict[str, bool] = {}
+            votes: dict[tuple, int] = {}
             for a, ok in zip(ans[c * k : (c + 1) * k], cor[c * k : (c + 1) * k]):
                 if a is None:
                     continue
-                votes[a] = votes.get(a, 0) + 1  # dicts keep first-seen order: ties go to the first
-                right[a] = right.get(a, False) or bool(ok)
+                key = (True,) if ok else (False, a)  # correct samples all vote for the gold answer
+                votes[key] = votes.get(key, 0) + 1  # dicts keep first-seen order: ties go to the first
             if votes:
-                best = max(votes, key=lambda a: votes[a])
-                wins += right[best]
+                best = max(votes, key=lambda key: votes[key])
+                wins += best[0]
         out.append(wins / chunks)
     return out
 

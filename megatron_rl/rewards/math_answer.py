@@ -35,7 +35,7 @@ from megatron_rl.rewards.registry import REWARD_FNS
 ExtractMode = Literal["boxed", "answer", "gsm8k", "auto"]
 
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
-_GSM8K_RE = re.compile(r"####[ \t]*\$?[ \t]*([+-]?(?:\d[\d,]*)?\.?\d+)")  # a number: not a `#### Step` heading
+_GSM8K_RE = re.compile(r"####[ \t]*\$?[ \t]*([+-]?(?:\d[\d,]*)?\.?\d+(?:/\d+)?)")  # a number (or a/b): not a `#### Step` heading
 _PERCENT_RE = re.compile(r"\\?%|\bpercent\b")
 
 
@@ -66,7 +66,7 @@ def last_boxed(text: str) -> Optional[str]:
 
 
 def extract_gsm8k(text: str) -> Optional[str]:
-    """The number after the last `#### ` marker (commas and `$` dropped), or None."""
+    """The number (or fraction `a/b`) after the last `#### ` marker (commas and `$` dropped), or None."""
     matches = _GSM8K_RE.findall(text)
     return matches[-1].replace(",", "") if matches else None
 

@@ -58,11 +58,16 @@ def _unwrap(s: str, command: str) -> str:
         i = k
 
 
+_THOUSANDS_RE = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+")
+
+
 def normalize_answer(answer: str) -> str:
     """Normalise an answer string for exact comparison (Minerva `normalize_final_answer`, made
     LaTeX-safe). Keeps the part after the last `=`, drops `$`, bold, `\\boxed`/`\\text` wrappers,
     unit words, spaces and a trailing period; `\\left`/`\\right` are dropped on both sides;
-    thousands separators are removed from plain integers."""
+    thousands separators are removed from plain integers. Deliberate deviation from verl's
+    `normalize_final_answer`: verl drops every comma of a digit string, so `3,5,7` (a list) became
+    `357`; here only well-formed groups of three (`1,234,567`) are separators."""
     s = answer.strip()
     s = s.replace("**", "")
     s = s.split("=")[-1]
@@ -80,7 +85,7 @@ def normalize_answer(answer: str) -> str:
     s = s.rstrip(".")
     s = re.sub(r"\\[dt]frac", r"\\frac", s)
     s = re.sub(r"\\frac(\d)(\d)", r"\\frac{\1}{\2}", s)
-    if s.replace(",", "").lstrip("+-").isdigit():
+    if _THOUSANDS_RE.fullmatch(s):  # 1,000,000 -> 1000000; a list such as 3,5,7 stays a list
         s = s.replace(",", "")
     return s
 

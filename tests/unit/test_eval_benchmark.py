@@ -58,10 +58,60 @@ def test_summarise_hand_case():
     # problem 1: c=2 of 4: pass@2 = 1 - C(2,2)/C(4,2) = 5/6; problem 2: 0
     assert s["pass@2"]["value"] == pytest.approx(5 / 12)
     assert s["pass@4"]["value"] == pytest.approx(0.5)
-    # maj@4, problem 1: votes are normalised strings, so "5" and "05" are separate votes and
-    # "4" (2 votes, wrong) wins; problem 2: "8" (wrong)
-    assert s["maj@4"]["value"] == 0.0
+    # maj@4, problem 1: "5" and "05" are both verified correct, so one value with 2 votes; it ties
+    # "4" (2 votes, wrong) and was seen first: right; problem 2: "8" (wrong)
+    assert s["maj@4"]["value"] == 0.5
     assert s["format_valid"] == pytest.approx(7 / 8)
     assert s["response_length"]["mean"] == pytest.approx(45) and s["response_length"]["truncated"] == pytest.approx(1 / 8)
     assert recs[0]["num_correct"] == 2 and recs[0]["pass@2"] == pytest.approx(5 / 6)
     assert [r["acc"] for r in recs[0]["responses"]] == [True, False, False, True]
+
+
+def test_same_stem_datasets_get_unique_names(tmp_path):
+    """Two files named test.jsonl in two folders: both are reported (results.json and
+    per_problem/<name>.jsonl are keyed by name), the second as test-2."""
+    from megatron_rl.eval.benchmark import unique_names
+
+    row = '{"prompt": [{"role": "user", "content": "1+1?"}], "reward_model": {"ground_truth": "2"}}\n'
+    for d, n in (("a", 3), ("b", 5)):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "test.jsonl").write_text(row * n)
+    got = unique_names([load_benchmark(str(tmp_path / d / "test.jsonl")) for d in ("a", "b", "a")])
+    assert [(name, len(rows)) for name, rows in got] == [("test", 3), ("test-2", 5), ("test-3", 3)]
+
+
+def test_empty_dataset_is_refused_naming_the_file(tmp_path):
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("\n\n")
+    with pytest.raises(ValueError, match=rf"^{blank}: no problems in the file"):
+        load_benchmark(str(blank))
+
+
+@pytest.mark.parametrize("settings, words", [
+    (EvalSettings(verifier="bogus"), "unknown verifier 'bogus'; known: "),
+    (EvalSettings(max_problems=-1), "max_problems must be >= 0"),
+])
+def test_bad_settings_refused_before_any_server_starts(tmp_path, settings, words):
+    from megatron_rl.eval.benchmark import run_eval
+
+    with pytest.raises(ValueError, match=words):
+        run_eval(datasets=["x.jsonl"], out_dir=tmp_path / "out", checkpoint=str(tmp_path / "no-model"),
+                 settings=settings)
+    assert not (tmp_path / "out").exists()
+
+
+def test_out_that_is_a_file_is_a_clear_error(tmp_path):
+    from megatron_rl.eval.benchmark import run_eval
+
+    f = tmp_path / "afile"
+    f.write_text("")
+    with pytest.raises(ValueError, match=rf"^output folder {f}: cannot be created"):
+        run_eval(datasets=["x.jsonl"], out_dir=f, checkpoint=str(tmp_path / "no-model"))
+
+
+def test_level_labels_of_one_level_share_a_bucket():
+    from megatron_rl.eval.evaluate import eval_metric_row, level_key
+
+    assert [level_key(x) for x in (3, "3", 3.0, "Level 3", " level_3 ", None, "hard", 2.5)] == \
+        ["3", "3", "3", "3", "3", None, "hard", "2.5"]
+    assert eval_metric_row({"by_level": {"3": {"avg@2": 0.5}}}) == {"eval/level_3/avg@2": 0.5}

@@ -60,6 +60,19 @@ def test_maj_at_k_hand_cases():
         maj_at_k(answers, correct, 5)
 
 
+def test_maj_at_k_votes_by_value_not_by_spelling():
+    """Correct samples vote for one value whatever their spelling; a wrong answer never merges with a
+    correct one that normalises to the same string (the tester's cases)."""
+    from megatron_rl.eval.metrics import maj_at_k
+
+    # gold 023: 023 and 23 are one value (2 votes) against 24 (2 votes); the correct class comes first
+    assert maj_at_k([["023", "24", "23", "24"]], [[True, False, True, False]], 4) == [1.0]
+    # gold 1/2: three spellings of 1/2 (3 votes) beat 3 (2 votes)
+    assert maj_at_k([["\\frac{1}{2}", "0.5", "1/2", "3", "3"]], [[True, True, True, False, False]], 5) == [1.0]
+    # gold 5/4: two wrong 11/4 and a correct "1 1/4" normalised to the same string: the wrong one wins
+    assert maj_at_k([["11/4", "11/4", "11/4"]], [[False, False, True]], 3) == [0.0]
+
+
 def test_bootstrap_ci_and_length_stats():
     from megatron_rl.eval.metrics import bootstrap_ci, length_stats
 

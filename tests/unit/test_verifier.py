@@ -166,3 +166,24 @@ def test_agreement_with_labelled_model_outputs():
     # the malformed gold `4:30p..` (all 8 `4:30` predictions labelled false) is not accepted either
     bad_gold = [r for r in rows if r["gt"] == "4:30p.."]
     assert len(bad_gold) == 8 and not any(compute_score_boxed(r["response"], r["gt"])["acc"] for r in bad_gold)
+
+
+@pytest.mark.parametrize("pred,gold,expected", [
+    ("357", "3, 5, 7", False),    # a MATH-500 list answer is not a number with separators
+    ("-21", "-2,1", False),
+    ("12", "1, 2", False),
+    ("5,85,00", "58500", False),  # malformed groups are not thousands separators
+    ("58,500", "58500", True),
+    ("1,234,567", "1234567", True),
+    ("3,5,7", "3, 5, 7", True),
+])
+def test_commas_are_separators_only_in_groups_of_three(pred, gold, expected):
+    assert is_equiv(pred, gold) is expected
+    assert dapo_score(f"Answer: {pred}", gold)["acc"] is expected
+
+
+def test_gsm8k_fraction_is_read_whole():
+    from megatron_rl.rewards.math_answer import extract_gsm8k
+
+    assert extract_gsm8k("so\n#### 1/2") == "1/2"
+    assert extract_gsm8k("#### 1,000") == "1000"
