@@ -239,11 +239,18 @@ def _report(argv: list[str]) -> int:
     parser.add_argument("--smooth", type=int, default=0,
                         help="moving-average window in steps for training curves (0: automatic)")
     args = parser.parse_args(argv)
+    if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
+        print(f"megatron-rl report: error: --out {args.out} is a file, expected a folder", file=sys.stderr)
+        return 2
+    if args.smooth < 0:
+        print(f"megatron-rl report: error: --smooth {args.smooth}: expected a window >= 0 (0: automatic)",
+              file=sys.stderr)
+        return 2
     from megatron_rl.report import make_report
 
     try:
         page = make_report(args.run_dirs, args.out, smooth=args.smooth or None)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # bad metrics, missing run dir, unwritable --out: one line, no traceback
         print(f"megatron-rl report: error: {e}", file=sys.stderr)
         return 1
     print(f"report: {page}")

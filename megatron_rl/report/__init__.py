@@ -12,12 +12,15 @@ from __future__ import annotations
 import base64
 import html
 import json
+import logging
 import math
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
+
+logger = logging.getLogger(__name__)
 
 # (panel title, file stem, [(metric key, "prefix*" or "a|b" (first present), subplot title, y-axis label)])
 PANELS: list[tuple[str, str, list[tuple[str, str, str]]]] = [
@@ -107,7 +110,9 @@ def _read_config(path: Path) -> dict:
 
     try:
         cfg = yaml.safe_load(cfile.read_text())
-    except yaml.YAMLError:
+    except (yaml.YAMLError, UnicodeDecodeError, OSError, RecursionError) as e:
+        logger.warning("%s: not read (%s); features and derived series that need it are left out",
+                       cfile, type(e).__name__)
         return {}
     return cfg if isinstance(cfg, dict) else {}
 
@@ -127,7 +132,8 @@ def _add_solve_shares(run: Run, cfg: dict) -> None:
         denom = dict(zip(*run.series["train/generated_groups"]))
     else:
         per_batch = _get(cfg, "data.gen_batch_size") or _get(cfg, "data.train_batch_size")
-        if not isinstance(per_batch, int) or "train/num_gen_batches" not in run.series:
+        if (not isinstance(per_batch, int) or isinstance(per_batch, bool) or not 0 < per_batch < 2**53
+                or "train/num_gen_batches" not in run.series):
             return
         denom = {s: v * per_batch for s, v in zip(*run.series["train/num_gen_batches"])}
     for name in ("solve_none", "solve_all"):
@@ -160,45 +166,109 @@ def _add_mixed_groups(run: Run, cfg: dict) -> None:
     run.series["train/mixed_groups"] = ([s for s, _ in pts], [v for _, v in pts])
 
 
+def _as_float(v) -> Optional[float]:
+    """`v` as a finite float; None for anything else (null, bool, str, NaN/inf, an int beyond float range)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
+
+
+def _read_metrics(mfile: Path, run: Run) -> None:
+    """Fill `run.series` from metrics.jsonl; see `load_run` for what is skipped and what is raised."""
+    lines = mfile.read_bytes().splitlines()
+    last = max((i for i, line in enumerate(lines, start=1) if line.strip()), default=0)
+    for i, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            if i == last and e.reason == "unexpected end of data":  # cut inside a character
+                continue
+            raise ValueError(f"{mfile}:{i}: not UTF-8 text ({e.reason} at byte {e.start + 1} of the line)") from None
+        try:
+            row = json.loads(line)
+        except (json.JSONDecodeError, RecursionError) as e:
+            if i == last:  # a run killed while writing
+                continue
+            reason = e if isinstance(e, json.JSONDecodeError) else "nested too deeply"
+            raise ValueError(f"{mfile}:{i}: invalid JSON: {reason}") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{mfile}:{i}: expected a JSON object per line, got {type(row).__name__}")
+        step = row.get("step")
+        if not isinstance(step, int) or isinstance(step, bool) or _as_float(step) is None:
+            raise ValueError(f"{mfile}:{i}: expected an integer 'step', got {step!r:.60}")
+        for k, v in row.items():
+            if k == "step" or (f := _as_float(v)) is None:
+                continue
+            steps, vals = run.series.setdefault(k, ([], []))
+            steps.append(step)
+            vals.append(f)
+
+
+_SUMMARY_EVAL_KEYS = ("eval_before", "eval_after")
+
+
+def _read_summary(sfile: Path) -> dict:
+    """summary.json's keys the report uses, checked: `steps` (int), `wall_s` (finite number >= 0),
+    `eval_before` / `eval_after` (objects). A file that cannot be read or is not a JSON object, and
+    a key of the wrong type, are left out with a warning (a summary is optional, so the report is
+    still written)."""
+    try:
+        summary = json.loads(sfile.read_bytes().decode("utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        reason = "not UTF-8" if isinstance(e, UnicodeDecodeError) else (
+            "nested too deeply" if isinstance(e, RecursionError) else str(e))
+        logger.warning("%s: ignored (%s)", sfile, reason)
+        return {}
+    if not isinstance(summary, dict):
+        logger.warning("%s: ignored (expected a JSON object, got %s)", sfile, type(summary).__name__)
+        return {}
+    checks = {"steps": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+              "wall_s": lambda v: (f := _as_float(v)) is not None and f >= 0,
+              **{k: lambda v: isinstance(v, dict) for k in _SUMMARY_EVAL_KEYS}}
+    expected = {"steps": "an integer >= 0", "wall_s": "a number >= 0", **{k: "an object" for k in _SUMMARY_EVAL_KEYS}}
+    for key, ok in checks.items():
+        if key not in summary:
+            continue
+        if summary[key] is not None and not ok(summary[key]):
+            logger.warning("%s: %r ignored (expected %s, got %s)", sfile, key, expected[key], f"{summary[key]!r:.60}")
+        if summary[key] is None or not ok(summary[key]):
+            del summary[key]  # null: as if absent
+    return summary
+
+
 def load_run(run_dir: str | os.PathLike, name: Optional[str] = None) -> Run:
     """Read `<run_dir>/metrics.jsonl` (and summary.json and config.yaml when present).
+
+    The run's name (default) is the folder's name, of the absolute path (so `.` is named too).
+    In metrics.jsonl, values that are not finite numbers (null, strings, NaN, an integer beyond float
+    range) are skipped, and so is a cut last line (a run killed while writing; blank lines after it
+    do not count). summary.json and config.yaml are optional: when unreadable or of the wrong shape
+    they (or their bad keys) are left out with a warning, see `_read_summary`.
 
     Adds `train/solve_none_frac` and `train/solve_all_frac` (shares of the generated groups, see
     `_add_solve_shares`), `train/mixed_groups` (`_add_mixed_groups`) and `Run.features` from config.yaml.
 
     Raises:
         FileNotFoundError: no metrics.jsonl in run_dir.
-        ValueError: a line that is not JSON (names the file and line; a cut last line is skipped).
+        ValueError: a line of metrics.jsonl that is not UTF-8, not JSON, not a JSON object or
+            without an integer 'step' (names the file and line).
+        OSError: metrics.jsonl cannot be read.
     """
     path = Path(run_dir)
     mfile = path / "metrics.jsonl"
     if not mfile.is_file():
         raise FileNotFoundError(f"{mfile}: no metrics.jsonl (is {path} a run dir?)")
-    run = Run(name or path.name, path)
-    lines = mfile.read_text().splitlines()
-    for i, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            if i == len(lines):  # a run killed while writing
-                continue
-            raise ValueError(f"{mfile}:{i}: invalid JSON: {e}") from None
-        step = row.get("step")
-        if not isinstance(step, int):
-            raise ValueError(f"{mfile}:{i}: expected an integer 'step', got {step!r}")
-        for k, v in row.items():
-            if k == "step" or isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                continue
-            steps, vals = run.series.setdefault(k, ([], []))
-            steps.append(step)
-            vals.append(float(v))
+    abs_path = Path(os.path.abspath(path))
+    run = Run(name or abs_path.name or str(abs_path), path)
+    _read_metrics(mfile, run)
     if (path / "summary.json").is_file():
-        try:
-            run.summary = json.loads((path / "summary.json").read_text())
-        except json.JSONDecodeError:
-            run.summary = {}
+        run.summary = _read_summary(path / "summary.json")
     cfg = _read_config(path)
     for feature, key in (("DAA", "algorithm.daa.enable"), ("dynamic sampling", "algorithm.filter_groups.enable")):
         if isinstance(_get(cfg, key), bool):
@@ -423,15 +493,22 @@ def make_report(run_dirs: Sequence[str | os.PathLike], out_dir: Optional[str | o
         Path of report.html.
 
     Raises:
-        ValueError: no run dirs, or no plottable metric in any run.
+        ValueError: no run dirs, no plottable metric in any run, or a bad metrics.jsonl (see `load_run`).
         FileNotFoundError: a run dir without metrics.jsonl.
+        NotADirectoryError: out_dir is a file.
+        OSError: the output folder cannot be created or written, or a file cannot be read.
     """
     if not run_dirs:
         raise ValueError("no run dirs given")
     runs = [load_run(d) for d in run_dirs]
     _unique_names(runs)
     out = Path(out_dir) if out_dir else Path(run_dirs[0]) / "report"
-    out.mkdir(parents=True, exist_ok=True)
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"{out} is a file, expected a folder for the report")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OSError(f"cannot create the report folder {out}: {e.strerror or e}") from None
     sections, nav = [], []
     panels = list(PANELS)
     if level_panel := level_metrics(runs):

@@ -168,3 +168,110 @@ def test_identical_runs_named_not_hidden():
     c.series["train/lr"] = ([1, 2], [0.5, 0.9])
     assert _identical_runs([a, b, c], ["train/lr"]) == [["a", "b"]]
     assert _identical_runs([a, c], ["train/lr"]) == []
+
+
+def _write_metrics(d: Path, content: bytes | str) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "metrics.jsonl").write_bytes(content.encode() if isinstance(content, str) else content)
+    return d
+
+
+def _cli(argv: list[str], capsys) -> tuple[int, str]:
+    from megatron_rl.cli import main
+
+    rc = main(["report", *argv])
+    return rc, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"step": 1, "a": 1}\n[1, 2]\n{"step": 2, "a": 2}\n', r"metrics.jsonl:2: expected a JSON object per line, got list"),
+    ('{"step": 1, "a": 1}\n"text"\n', r"metrics.jsonl:2: expected a JSON object per line, got str"),
+    (b'{"step": 1, "a": 1}\n{"step": 2, "a": "\xff\xfe"}\n{"step": 3, "a": 3}\n', r"metrics.jsonl:2: not UTF-8 text"),
+    ('{"step": 1, "a": 1}\n{"step": true, "a": 2}\n', r"metrics.jsonl:2: expected an integer 'step', got True"),
+    ('{"step": 1}\n' + "[" * 100000 + "\n" + '{"step": 2}\n', r"metrics.jsonl:2: invalid JSON"),
+])
+def test_bad_metrics_lines_name_file_and_line(tmp_path, capsys, content, message):
+    d = _write_metrics(tmp_path / "bad", content)
+    with pytest.raises(ValueError, match=message):
+        load_run(d)
+    rc, err = _cli([str(d), "--out", str(tmp_path / "rep")], capsys)  # the CLI: one line, exit 1
+    assert rc == 1 and err.count("\n") == 1 and err.startswith("megatron-rl report: error: ")
+    assert re.search(message, err) and str(d) in err
+
+
+def test_values_beyond_float_range_skipped_like_nan(tmp_path):
+    d = _write_metrics(tmp_path / "big", '{"step": 1, "a": 1, "b": 2}\n{"step": 2, "a": 1%s, "b": NaN}\n'
+                       '{"step": 3, "a": 3, "b": "x"}\n' % ("0" * 400))
+    run = load_run(d)
+    assert run.series["a"] == ([1, 3], [1.0, 3.0]) and run.series["b"] == ([1], [2.0])
+
+
+def test_cut_last_line_skipped_with_blank_lines_after_it(tmp_path):
+    d = _write_metrics(tmp_path / "cut", '{"step": 1, "a": 1}\n{"step": 2, "a": 2}\n{"step": 3, "a\n\n  \n')
+    assert load_run(d).series["a"] == ([1, 2], [1.0, 2.0])
+    # cut inside a multi-byte character (a writer with ensure_ascii=False): skipped too
+    d = _write_metrics(tmp_path / "cut_utf8", b'{"step": 1, "a": 1}\n{"step": 2, "name": "\xc3')
+    assert load_run(d).series["a"] == ([1], [1.0])
+    # but a cut line that is not the last one is still an error
+    d = _write_metrics(tmp_path / "mid", '{"step": 1, "a": 1}\n{"step": 2, "a\n\n{"step": 3, "a": 3}\n')
+    with pytest.raises(ValueError, match="metrics.jsonl:2: invalid JSON"):
+        load_run(d)
+
+
+@pytest.mark.parametrize("summary, key", [
+    ("[1, 2]", "expected a JSON object, got list"),
+    ('{"steps": 2, "wall_s": "12"}', "'wall_s' ignored (expected a number >= 0, got '12')"),
+    ('{"steps": "2", "wall_s": 1%s}' % ("0" * 400), "'steps' ignored (expected an integer >= 0, got '2')"),
+    ('{"steps": 2, "eval_before": [0.5], "eval_after": {"avg@4": 0.5}}', "'eval_before' ignored (expected an object"),
+    (b'{"steps": 2, "x": "\xff"}', "ignored (not UTF-8)"),
+    ('{"steps": 2,', "ignored (Expecting"),
+])
+def test_bad_summary_ignored_with_warning(tmp_path, caplog, summary, key):
+    d = _write_metrics(tmp_path / "run", '{"step": 1, "train/score": 0.1}\n{"step": 2, "train/score": 0.2}\n')
+    (d / "summary.json").write_bytes(summary.encode() if isinstance(summary, str) else summary)
+    with caplog.at_level("WARNING", logger="megatron_rl.report"):
+        run = load_run(d)
+    assert any(key in r.getMessage() and str(d / "summary.json") in r.getMessage() for r in caplog.records), \
+        caplog.text
+    assert isinstance(run.summary, dict)
+    page = make_report([d], tmp_path / "rep").read_text()  # the report is still written
+    assert "<td>run</td>" in page
+
+
+def test_summary_good_keys_kept_bad_ones_dropped(tmp_path):
+    d = _write_metrics(tmp_path / "run", '{"step": 1, "train/score": 0.1}\n')
+    (d / "summary.json").write_text('{"steps": 7, "wall_s": "12", "eval_after": {"avg@4": 0.5}, "eval_before": null}')
+    assert load_run(d).summary == {"steps": 7, "eval_after": {"avg@4": 0.5}}
+
+
+def test_out_is_a_file(tmp_path, capsys):
+    d = _write_metrics(tmp_path / "run", '{"step": 1, "train/score": 0.1}\n')
+    (tmp_path / "taken").write_text("x")
+    with pytest.raises(NotADirectoryError, match="taken is a file, expected a folder"):
+        make_report([d], tmp_path / "taken")
+    rc, err = _cli([str(d), "--out", str(tmp_path / "taken")], capsys)
+    assert rc == 2 and err == f"megatron-rl report: error: --out {tmp_path / 'taken'} is a file, expected a folder\n"
+    # a folder that cannot be created (a file on its path): one line, exit 1
+    rc, err = _cli([str(d), "--out", str(tmp_path / "taken" / "sub")], capsys)
+    assert rc == 1 and err.count("\n") == 1
+    assert err.startswith(f"megatron-rl report: error: cannot create the report folder {tmp_path / 'taken' / 'sub'}")
+
+
+def test_missing_run_dir_and_negative_smooth_on_cli(tmp_path, capsys):
+    rc, err = _cli([str(tmp_path / "nope")], capsys)
+    assert rc == 1 and err.count("\n") == 1 and "no metrics.jsonl" in err
+    d = _write_metrics(tmp_path / "run", '{"step": 1, "train/score": 0.1}\n')
+    rc, err = _cli([str(d), "--smooth", "-3"], capsys)
+    assert rc == 2 and err == "megatron-rl report: error: --smooth -3: expected a window >= 0 (0: automatic)\n"
+
+
+def test_run_dot_named_after_the_folder(tmp_path, monkeypatch):
+    d = _write_metrics(tmp_path / "my_run", '{"step": 1, "train/score": 0.1}\n{"step": 2, "train/score": 0.2}\n')
+    monkeypatch.chdir(d)
+    assert load_run(".").name == "my_run"
+    assert load_run("./").name == "my_run"
+    monkeypatch.chdir(d / "..")
+    assert load_run("my_run/../my_run").name == "my_run"
+    monkeypatch.chdir(d)
+    page = make_report(["."], tmp_path / "rep").read_text()
+    assert "<title>megatron-rl report: my_run</title>" in page and "<td>my_run</td>" in page
