@@ -110,6 +110,9 @@ def _captured_bodies() -> list[tuple[str, dict]]:
     c.begin_weight_update()
     c.update_weights_from_distributed(["a.weight"], ["bfloat16"], [[2, 3]], flush_cache=False, weight_version="1",
                                       load_format="flattened_bucket")
+    # weight_sync.load_format null: one broadcast per tensor, the field left to SGLang's default
+    c.update_weights_from_distributed(["a.weight", "b.bias"], ["bfloat16", "float32"], [[2, 3], [3]],
+                                      flush_cache=False, weight_version=None, load_format=None)
     c.end_weight_update()
     c.destroy_weights_update_group()
     c.pause_generation("abort")
