@@ -203,6 +203,8 @@ def _eval(argv: list[str]) -> int:
     parser.add_argument("--verifier", default=None,
                         help="reward function for every row (default: routed by data_source)")
     parser.add_argument("--reward-workers", type=int, default=2)
+    parser.add_argument("--max-concurrency", type=int, default=256,
+                        help="requests in flight (default 256, as rollout.max_concurrency in training)")
     parser.add_argument("--server-arg", action="append", default=[], help="extra flag for the embedded server, e.g. --server-arg=--enable-deterministic-inference")
     args = parser.parse_args(argv)
 
@@ -220,7 +222,8 @@ def _eval(argv: list[str]) -> int:
         results = run_eval(datasets=args.data, out_dir=args.out, checkpoint=args.checkpoint,
                            server_url=args.server_url, tokenizer_path=args.tokenizer, data_dir=args.data_dir,
                            settings=settings, num_reward_workers=args.reward_workers,
-                           server_args=[a for x in args.server_arg for a in x.split()])
+                           server_args=[a for x in args.server_arg for a in x.split()],
+                           max_concurrency=args.max_concurrency)
     except (ValueError, FileNotFoundError, KeyError, RolloutServerError) as e:
         print(f"megatron-rl eval: error: {e}", file=sys.stderr)
         return 1

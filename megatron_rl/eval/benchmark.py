@@ -253,7 +253,7 @@ def run_eval(*, datasets: Sequence[str], out_dir: str | os.PathLike, checkpoint:
              server_url: Optional[str] = None, tokenizer_path: Optional[str] = None,
              data_dir: Optional[str] = None, settings: Optional[EvalSettings] = None,
              num_reward_workers: int = 2, reward_timeout_s: float = 30.0, server_args: Sequence[str] = (),
-             startup_timeout_s: float = 300.0) -> dict:
+             startup_timeout_s: float = 300.0, max_concurrency: int = 256) -> dict:
     """`megatron-rl eval`: evaluate a checkpoint or a running server on datasets.
 
     Args:
@@ -266,6 +266,8 @@ def run_eval(*, datasets: Sequence[str], out_dir: str | os.PathLike, checkpoint:
         data_dir: folder holding the benchmark files (default `default_data_dir()`).
         settings: `EvalSettings` (DAPO defaults).
         server_args: extra flags for the embedded server (e.g. `--dtype float32`).
+        max_concurrency: requests in flight (as `rollout.max_concurrency` in training): the servers
+            batch what is in flight, so fewer means smaller decode batches and a slower evaluation.
 
     Returns:
         The results dict (also in `<out_dir>/results.json`).
@@ -335,6 +337,6 @@ def run_eval(*, datasets: Sequence[str], out_dir: str | os.PathLike, checkpoint:
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         manager = RolloutManager([client], tokenizer, pool, reward_fn="math_auto", max_prompt_length=1 << 30,
                                  max_response_length=settings.max_new_tokens, seed=settings.seed,
-                                 max_concurrency=64, eos_token_ids=eos)
+                                 max_concurrency=max_concurrency, eos_token_ids=eos)
         stack.callback(manager.close)
         return evaluate_datasets(manager, pool, tokenizer, loaded, settings, out)
