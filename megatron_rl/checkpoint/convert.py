@@ -296,6 +296,12 @@ def import_from_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dty
 # --------------------------------------------------------------------------- megatron -> HF
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 class _ShardWriter:
     """Writes tensors into `model-0000i-of-0000n.safetensors` files of at most `max_bytes` each
     (a tensor larger than that gets a shard of its own), then the index. Files are renamed once
@@ -329,6 +335,7 @@ class _ShardWriter:
             return
         tmp = self.out_dir / f".shard-{len(self.files):05d}.safetensors"
         save_file(self.pending, str(tmp), metadata={"format": "pt"})
+        os.chmod(tmp, 0o666 & ~_umask())  # safetensors creates files 0600; the folder's other files follow the umask
         self.files.append((tmp, list(self.pending)))
         self.pending, self.pending_bytes = {}, 0
 

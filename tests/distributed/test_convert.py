@@ -48,6 +48,9 @@ def test_small_shards_get_an_index(megatron_world1, tmp_path):
     files = sorted(p.name for p in out.glob("*.safetensors"))
     assert len(files) > 2 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
     assert set(index["weight_map"].values()) == set(files)
+    # weights get the same permissions as the folder's other files (safetensors itself writes 0600)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()}
+    assert len(set(modes.values())) == 1, modes
     assert _hf_tensors(out).keys() == _hf_tensors(hf_dir).keys()
     from transformers import AutoModelForCausalLM
 
