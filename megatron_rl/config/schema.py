@@ -15,7 +15,8 @@ from typing import Optional
 def _choice(section: str, name: str, value, allowed) -> None:
     if value not in allowed:
         raise ValueError(
-            f"{section}.{name}: {value!r} is not allowed; choose one of {', '.join(map(repr, allowed))}"
+            f"{section}.{name}: {value!r} is not allowed; choose one of "
+            f"{', '.join('null' if a is None else repr(a) for a in allowed)}"
         )
 
 

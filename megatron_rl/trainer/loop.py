@@ -94,7 +94,11 @@ class _Controller:
             startup_timeout_s=r.startup_timeout_s, env=rollout_server_env(), api_key=r.api_key,
             admin_api_key=r.admin_api_key, random_seed=cfg.trainer.seed,
             enable_deterministic_inference=r.enable_deterministic_inference,
-            embedded_args=["--max-batch-size", str(r.server_max_batch_size)], sglang_python=r.sglang_python,
+            embedded_args=["--max-batch-size", str(r.server_max_batch_size),
+                           # the server's rendezvous / broadcast timeout = the trainer's (a failed
+                           # group set-up frees the server's control thread as soon as the trainer gives up)
+                           "--weight-sync-timeout-s", str(cfg.weight_sync.timeout_s)],
+            sglang_python=r.sglang_python,
             tp_size=r.tp_size, mem_fraction_static=r.mem_fraction_static, skip_tokenizer_init=r.skip_tokenizer_init,
             sglang_args=r.sglang_extra_args,
         )

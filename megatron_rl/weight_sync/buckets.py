@@ -217,6 +217,12 @@ def unflatten_bucket(flat: torch.Tensor, meta: BucketMeta) -> list[tuple[str, to
     return out
 
 
+def _describe(item) -> str:
+    if isinstance(item, (tuple, list)):
+        return "(" + ", ".join(type(x).__name__ for x in item) + ")"
+    return repr(item)[:80]
+
+
 def cast_named_tensors(
     named_tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype | str | None
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -226,7 +232,12 @@ def cast_named_tensors(
     through. This is the one place where trainer weights change dtype for the servers.
     """
     target = dtype_from_name(dtype) if isinstance(dtype, str) else dtype
-    for name, tensor in named_tensors:
+    for item in named_tensors:
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[0], str)
+                and isinstance(item[1], torch.Tensor)):
+            raise TypeError(f"expected (str, torch.Tensor) pairs, got {type(item).__name__} "
+                            f"{_describe(item)}")
+        name, tensor = item
         if target is not None and tensor.is_floating_point() and tensor.dtype != target:
             tensor = tensor.to(target)
         yield name, tensor

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -140,6 +141,15 @@ class WeightSyncSender:
             raise WeightSyncError(f"cannot query the rollout servers: {e}") from e
         world_size = 1 + sum(tp_sizes)
         offsets = [1 + sum(tp_sizes[:i]) for i in range(len(self.clients))]
+        # a group of this name left by a trainer that died (a server this run did not start) would
+        # make the server refuse the new one: drop it first; "no such group" is the usual answer
+        for c in self.clients:
+            try:
+                c.destroy_weights_update_group(self.group_name)
+                logger.warning("%s still had a weight-update group %r (an earlier trainer's): destroyed it",
+                               c.base_url, self.group_name)
+            except RolloutServerError:
+                pass
         posts = [
             self._pool.submit(
                 c.init_weights_update_group,
@@ -153,16 +163,20 @@ class WeightSyncSender:
             )
             for c, off in zip(self.clients, offsets)
         ]
-        join = self._pool.submit(
-            init_custom_process_group,
-            backend=self.backend,
-            host=self.master_address,
-            port=port,
-            world_size=world_size,
-            rank=0,
-            group_name=self.group_name,
-            timeout_s=self.timeout_s,
-        )
+        # the rendezvous runs in a daemon thread, not the pool: when a server refuses, this side
+        # stays blocked until its timeout, and that must neither keep the process from exiting
+        # nor hold one of the pool's workers
+        join: Future = Future()
+
+        def rendezvous() -> None:
+            try:
+                join.set_result(init_custom_process_group(
+                    backend=self.backend, host=self.master_address, port=port, world_size=world_size, rank=0,
+                    group_name=self.group_name, timeout_s=self.timeout_s))
+            except BaseException as e:  # noqa: BLE001  (handed to the waiting thread)
+                join.set_exception(e)
+
+        threading.Thread(target=rendezvous, name="weight-sync-rendezvous", daemon=True).start()
         self._wait_all(posts, join, "init_weights_update_group", group_op=False)
         self._pg = join.result()
         logger.info("weight-update group %r ready: world size %d, port %d", self.group_name, world_size, port)
@@ -344,6 +358,10 @@ class WeightSyncSender:
             if isinstance(e, WeightSyncError):
                 raise
             raise WeightSyncError(f"weight broadcast failed: {e}", group_broken=True) from e
+        except (ValueError, TypeError, AttributeError, KeyError, IndexError) as e:
+            # bad input from the tensor iterable (a repeated name, a non-tensor): a bucket may be on
+            # the wire already, so the group is treated as broken (the caller re-creates it)
+            raise WeightSyncError(f"cannot send the weights: {type(e).__name__}: {e}", group_broken=True) from e
         return {
             "bytes": float(nbytes),
             "num_buckets": float(num_buckets),

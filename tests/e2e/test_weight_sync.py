@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 import traceback
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ import torch.multiprocessing as mp
 
 from megatron_rl.rollout.launcher import find_free_port, launch_rollout_server
 
+ROOT = Path(__file__).resolve().parents[2]
 EOS = 2
 PROMPTS = [[5, 6, 7], [11, 3, 90, 17, 4], [100]]
 
@@ -161,3 +163,66 @@ def test_sync_then_server_greedy_equals_hf_greedy(server):
     ff = report["failfast"]
     assert isinstance(ff, dict) and ff["group_broken"] and ff["seconds"] < 30, ff
     assert report["final_version"] == "2"
+
+
+_CRASH = """
+import os, sys
+from megatron_rl.rollout.client import RolloutClient
+from megatron_rl.weight_sync.sender import WeightSyncSender
+s = WeightSyncSender([RolloutClient(sys.argv[1], timeout_s=60)], timeout_s=60)
+s.init_group()
+os._exit(0)  # dies with its group still registered on the server
+"""
+
+_REFUSED = """
+import sys
+from megatron_rl.rollout.client import RolloutClient
+from megatron_rl.rollout.errors import WeightSyncError
+from megatron_rl.weight_sync.sender import WeightSyncSender
+s = WeightSyncSender([RolloutClient(sys.argv[1], timeout_s=60)], timeout_s=60, backend="nccl")
+try:
+    s.init_group()
+except WeightSyncError as e:
+    print("REFUSED", e)
+"""
+
+_SYNC = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+from megatron_rl.rollout.client import RolloutClient
+from megatron_rl.weight_sync.sender import WeightSyncSender
+c = RolloutClient(sys.argv[1], timeout_s=60)
+s = WeightSyncSender([c], timeout_s=60)
+s.init_group()
+model = AutoModelForCausalLM.from_pretrained(sys.argv[2], dtype=torch.float32)
+s.sync(model.state_dict().items(), weight_version="after-crash")
+s.close()
+print("VERSION", c.weight_version())
+"""
+
+
+def test_a_dead_trainers_group_and_a_refused_group_set_up(server):
+    """A trainer that died with its group registered on a server it did not start does not block
+    the next trainer (the stale group is destroyed first); a server that refuses the group makes
+    `init_group` fail and the process exit at once, not after the rendezvous timeout (60 s here)."""
+    import subprocess
+    import sys
+
+    model_dir, proc = server
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+
+    def run(script, *args):
+        t0 = time.monotonic()
+        out = subprocess.run([sys.executable, "-c", script, proc.base_url, *map(str, args)], capture_output=True,
+                             text=True, timeout=300, env=env)
+        assert out.returncode == 0, out.stderr[-3000:] + "\n--- server log ---\n" + proc.log_tail()
+        return out, time.monotonic() - t0
+
+    run(_CRASH)
+    out, seconds = run(_REFUSED)
+    assert "REFUSED init_weights_update_group refused by a server" in out.stdout, out.stdout + out.stderr
+    assert "backend 'nccl'" in out.stdout
+    assert "still had a weight-update group 'weight_update_group'" in out.stderr  # the dead trainer's, destroyed
+    assert seconds < 45, f"the refused set-up took {seconds:.0f} s to exit (rendezvous timeout 60 s)"
+    out, _ = run(_SYNC, model_dir)
+    assert "VERSION after-crash" in out.stdout

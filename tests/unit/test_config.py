@@ -269,3 +269,10 @@ def test_layout_hints_name_the_memory_savers_left_off():
     on = load_config(None, BASE + ["trainer.tensor_model_parallel_size=2", "trainer.sequence_parallel=true",
                                    "trainer.use_distributed_optimizer=true"]).trainer
     assert _layout_hints(on, dp_size=4, use_te=True) == []
+
+
+def test_null_choice_is_spelled_null():
+    with pytest.raises(ValueError, match=r"^weight_sync.load_format: 'flat' is not allowed; choose one of "
+                                         r"'flattened_bucket', null$"):
+        load_config(None, BASE + ["weight_sync.load_format=flat"])
+    assert load_config(None, BASE + ["weight_sync.load_format=null"]).weight_sync.load_format is None

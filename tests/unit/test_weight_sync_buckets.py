@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -142,3 +144,12 @@ def test_unflattened_wire_buckets_same_meta_and_no_copy_of_contiguous_tensors():
     assert sent[5].data_ptr() == by_name["f.big"].data_ptr()
     assert sent[0].dtype == torch.float32  # bf16 cast to the server's dtype
     assert sent[2].dtype == torch.int64  # buffers keep theirs
+
+
+def test_non_pairs_are_refused_by_the_first_stage_that_reads_them():
+    from megatron_rl.weight_sync.buckets import wire_buckets
+
+    for bad, words in ((("a", [1.0]), "(str, list)"), (("a", torch.zeros(1), 3), "(str, Tensor, int)"),
+                       ("a.weight", "'a.weight'")):
+        with pytest.raises(TypeError, match=r"expected \(str, torch.Tensor\) pairs, got .*" + re.escape(words)):
+            list(wire_buckets(iter([("ok", torch.zeros(2)), bad]), dtype=torch.float32, bucket_size_mib=1))
