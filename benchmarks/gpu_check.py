@@ -1,8 +1,8 @@
 """GPU check: bf16 training throughput and MFU of a ~0.5B Qwen2 on megatron-core, and rollout generation speed.
 
 Runs only with a CUDA device; without one it prints why and exits 0 (``--cpu-smoke`` runs the same
-code on a tiny shape on CPU instead, so the code is exercised in CI). On one H200 it takes about
-2-3 minutes. Steps:
+code on a tiny shape on CPU instead, so the code is exercised in CI). On one H200 it should take
+2-3 minutes (an estimate: not yet run on a GPU). Steps:
 
 1. **matmul ceiling**: the best bf16 GEMM rate of ``torch.matmul`` over a few square sizes
    (TFLOP/s), the ceiling MFU is measured against (the datasheet peak is printed too).

@@ -115,7 +115,9 @@ def format_table(result: dict) -> str:
 
 def run_recipe(config: str, steps: int, run_dir: Path, overrides: list[str]) -> float:
     """Train `config` for `steps` RL steps into run_dir (no eval, no checkpoint); returns wall seconds."""
-    shutil.rmtree(run_dir, ignore_errors=True)
+    if run_dir.exists():
+        raise SystemExit(f"{run_dir} exists (an earlier run?): remove it or pass another --work-dir; "
+                         "nothing is deleted here")
     cli = Path(sys.executable).parent / "megatron-rl"
     cmd = [str(cli), "train", "--config", config, f"run_dir={run_dir}", f"trainer.total_training_steps={steps}",
            "trainer.save_interval=0", "trainer.save_last=false", "trainer.progress_bar=false",
@@ -136,7 +138,8 @@ def main() -> None:
     ap.add_argument("--config", default=str(REPO / "examples" / "tiny" / "da3po.yaml"))
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--skip-first", type=int, default=1, help="leave the first N steps out of the means")
-    ap.add_argument("--work-dir", type=Path, default=Path("/tmp/megatron-rl-step-split"))
+    ap.add_argument("--work-dir", type=Path, default=None,
+                    help="folder for the recipe run (default: a new folder under the system temp dir)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "step_time_split.json")
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides for the recipe run")
     args = ap.parse_args()
@@ -146,7 +149,14 @@ def main() -> None:
     if args.run_dir is None:
         if args.steps <= args.skip_first:
             ap.error(f"--steps {args.steps} leaves no step after --skip-first {args.skip_first}")
-        run_dir = args.work_dir / Path(args.config).stem
+        import signal
+        import tempfile
+
+        work = args.work_dir or Path(tempfile.mkdtemp(prefix="megatron-rl-step-split-"))
+        run_dir = work / Path(args.config).stem
+        print(f"run: {run_dir} (log {run_dir}.log)", flush=True)
+        # SIGTERM ends this script through SystemExit, so subprocess.run kills the trainer it started
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
         wall = run_recipe(args.config, args.steps, run_dir, args.overrides)
         source = {"config": os.path.relpath(args.config, REPO), "steps": args.steps, "overrides": args.overrides,
                   "process_wall_s": wall}

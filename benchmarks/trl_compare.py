@@ -270,7 +270,9 @@ def main() -> None:
     ap.add_argument("--skip-eval", action="store_true", help="speed only, no held-out evaluation")
     ap.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="the TRL environment (created if missing)")
     ap.add_argument("--trl-version", default=TRL_VERSION)
-    ap.add_argument("--work-dir", type=Path, default=Path("/tmp/megatron-rl-trl-compare"))
+    ap.add_argument("--work-dir", type=Path, default=None,
+                    help="folder for both runs and their evaluations (default: a new folder under the system temp "
+                         "dir); an existing run in it is reused with --reuse, otherwise refused, never deleted")
     ap.add_argument("--reuse", action="store_true",
                     help="reuse the finished runs and evaluations already in --work-dir (re-evaluate, re-tabulate)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "trl_compare.json")
@@ -281,7 +283,22 @@ def main() -> None:
     def log(msg: str) -> None:
         print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
+    import signal
+    import tempfile
+
+    if args.reuse and args.work_dir is None:
+        ap.error("--reuse needs the --work-dir of the earlier invocation")
+    if args.work_dir is None:
+        args.work_dir = Path(tempfile.mkdtemp(prefix="megatron-rl-trl-compare-"))
     args.work_dir.mkdir(parents=True, exist_ok=True)
+    if not args.reuse:
+        taken = [p for p in (args.work_dir / "megatron-rl", args.work_dir / "trl") if p.exists()]
+        if taken:
+            ap.error(f"{', '.join(map(str, taken))} exist (an earlier comparison): pass --reuse to use them, or "
+                     "another --work-dir; nothing is deleted")
+    log(f"work dir: {args.work_dir} (runs, logs and evaluations)")
+    # SIGTERM ends this script through SystemExit, so subprocess.run kills the run it started
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     t_all = time.perf_counter()
     py = ensure_trl_venv(args.venv, args.trl_version)
     log(f"TRL environment: {py}")
@@ -316,14 +333,21 @@ def main() -> None:
         "megatron_rl": {**mrl, **sm}, "trl": {**trl, **st}, "ratio_megatron_rl_over_trl": ratio,
         "eval": evals, "eval_settings": {"data": "examples/tiny/data/test.jsonl", "n": args.eval_n,
                                          "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 64, "seed": args.seed},
+        "skip_eval": args.skip_eval,
+        "warnings": [],
         "total_wall_s": time.perf_counter() - t_all,
     }
+    if min(mrl["rl_steps"], trl["rl_steps"]) < 3:
+        result["warnings"].append(
+            f"only {min(mrl['rl_steps'], trl['rl_steps'])} RL step(s) on one side: the first step's warm-up "
+            "dominates the rate, so the ratio is not representative; use --steps 12 (the default) or more")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
 
     n = args.eval_n
     print()
-    print(f"{'':22s} {'megatron-rl':>12s} {'TRL ' + trl.get('versions', {}).get('trl', ''):>12s} {'ratio':>7s}")
+    print(f"{'':22s} {'megatron-rl':>12s} {'TRL ' + trl.get('versions', {}).get('trl', ''):>12s} "
+          f"{'ratio (megatron-rl / TRL)':>7s}")
     print(f"{'RL steps':22s} {mrl['rl_steps']:12d} {trl['rl_steps']:12d}")
     print(f"{'training wall s':22s} {mrl['train_s']:12.1f} {trl['train_s']:12.1f}")
     print(f"{'RL steps / min':22s} {sm['rl_steps_per_min']:12.2f} {st['rl_steps_per_min']:12.2f} "
@@ -342,6 +366,8 @@ def main() -> None:
         return "?" if a is None or b is None else f"{a:.1f}-{b:.1f}"
 
     print(f"load average: {la(mrl)} (megatron-rl), {la(trl)} (TRL); wrote {args.out}")
+    for w_ in result["warnings"]:
+        print(f"WARNING: {w_}")
 
 
 if __name__ == "__main__":
