@@ -391,10 +391,12 @@ class WeightSyncConfig:
     master_port: Optional[int] = None
     """TCPStore port of the weight-sync group; None = a free port."""
     timeout_s: float = 600.0
-    load_format: Optional[str] = "flattened_bucket"
-    """SGLang's `load_format` of `/update_weights_from_distributed`: `flattened_bucket` (the tensors of a
-    bucket copied into one uint8 tensor, one broadcast a bucket) or null (one broadcast per tensor, no
-    copy on the trainer side; slime's way). The servers load the same weights either way."""
+    load_format: Optional[str] = None
+    """SGLang's `load_format` of `/update_weights_from_distributed`: null (the default, SGLang's and
+    slime's: one broadcast per tensor, no copy on the trainer side; the embedded server receives
+    straight into its parameters) or `flattened_bucket` (the tensors of a bucket copied into one uint8
+    tensor, one broadcast a bucket). The servers load the same weights either way
+    (`benchmarks/sync_throughput.py` measures both)."""
     check_checksums: bool = False
     """After every sync, compare a SHA-256 per tensor of each server's weights (`/get_weights_by_name`)
     with the trainer's; a mismatch fails the sync. Costs a full read-back of the weights over HTTP."""

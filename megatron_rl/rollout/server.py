@@ -424,6 +424,22 @@ class GenerationEngine:
             for name, tensor in named_tensors:
                 self._params[name].copy_(tensor)
 
+    def direct_targets(self, names: Sequence[str], dtypes: Sequence[torch.dtype],
+                       shapes: Sequence[Sequence[int]]) -> list[torch.Tensor] | None:
+        """The parameters named ``names`` (detached, sharing storage) when each one exists, is
+        contiguous and has exactly the given dtype and shape, and no name repeats, so one broadcast
+        per entry can land in place; None otherwise (the caller receives into a buffer and goes
+        through ``load_weights``, which validates and casts)."""
+        if len(set(names)) != len(names):
+            return None
+        out = []
+        for name, dt, shape in zip(names, dtypes, shapes):
+            p = self._params.get(name)
+            if p is None or p.dtype != dt or list(p.shape) != [int(d) for d in shape] or not p.is_contiguous():
+                return None
+            out.append(p.detach())
+        return out
+
     def get_parameter(self, name: str) -> torch.Tensor | None:
         """The parameter (or persistent buffer) named ``name`` in HF naming, or None."""
         return self._params.get(name)
@@ -1317,6 +1333,13 @@ def build_app(state: ServerState):
         def receive_and_load() -> None:
             import torch.distributed as dist
 
+            if body.load_format is None:
+                targets = engine.direct_targets(body.names, dtypes, body.shapes)
+                if targets is not None:  # every entry is a parameter as it is: receive in place, no copy
+                    with engine.model_lock, torch.no_grad():
+                        for t in targets:
+                            dist.broadcast(t, src=0, group=pg)
+                    return
             meta = BucketMeta(names=body.names, dtypes=body.dtypes, shapes=body.shapes)
             # one receive buffer kept across buckets and syncs (load_weights copies out of it; update
             # calls run one at a time under the write lock): no fresh pages to fault in per bucket

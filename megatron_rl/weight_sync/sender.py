@@ -3,8 +3,9 @@
 The trainer rank that holds the full HF-named weights is rank 0 of a private process group
 (``weight_sync.group``, SGLang's recipe) whose other ranks are the servers' TP workers. One
 sync follows DESIGN.md step 7 and SGLANG_API.md: pause generation (abort), open the update
-session, then per bucket post ``/update_weights_from_distributed`` (``flattened_bucket``) to
-every server from a thread while broadcasting the bucket, close the session, flush the cache,
+session, then per bucket post ``/update_weights_from_distributed`` to every server from a
+thread while broadcasting the bucket's tensors (one broadcast each, ``load_format`` null, or one
+uint8 tensor with ``flattened_bucket``), close the session, flush the cache,
 check that every server reports the new ``weight_version``, continue generation.
 
 Fail-fast: a server that refuses a bucket (HTTP 400) never joins the broadcast, so the trainer
@@ -90,7 +91,7 @@ class WeightSyncSender:
         bucket_size_mib: float = 512,
         timeout_s: float = 600.0,
         dtype: torch.dtype | None = None,
-        load_format: str | None = "flattened_bucket",
+        load_format: str | None = None,
     ) -> None:
         if not clients:
             raise ValueError("WeightSyncSender needs at least one rollout client")
