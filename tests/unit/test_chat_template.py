@@ -12,8 +12,9 @@ from megatron_rl.data.prompts import (
     render_conversation_with_mask,
     render_prompt_ids,
 )
+from shared_data import SHARED_DATA
 
-QWEN_DIR = Path("/work/shared/data/qwen2.5-tokenizer")
+QWEN_DIR = SHARED_DATA / "qwen2.5-tokenizer"
 ROOT = Path(__file__).resolve().parents[2]
 
 TOOL_CALL = {"type": "function", "function": {"name": "calc", "arguments": {"expr": "2+2"}}}

@@ -15,9 +15,10 @@ from megatron_rl.data.dataset import (
     load_rows,
     read_records,
 )
+from shared_data import SHARED_DATA
 
 ROOT = Path(__file__).resolve().parents[2]
-DATA = Path("/work/shared/data")
+DATA = SHARED_DATA
 needs_shared = pytest.mark.skipif(not DATA.is_dir(), reason="shared/data not present")
 
 

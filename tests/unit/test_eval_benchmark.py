@@ -8,8 +8,9 @@ import pytest
 
 from megatron_rl.eval.benchmark import EvalSettings, ks_for, load_benchmark, summarise
 from megatron_rl.rewards.math_answer import verifier_for_source
+from shared_data import SHARED_DATA
 
-DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
+DATA = SHARED_DATA
 
 
 def test_ks_for():

@@ -14,9 +14,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
 
 from tiny_qwen2 import hf_state_dict, tiny_hf_config, tiny_hf_model  # noqa: E402
 
+from shared_data import SHARED_DATA  # noqa: E402
+
 from megatron_rl.models.hf_config import build_model_spec, build_transformer_config, padded_vocab_size  # noqa: E402
 
-HF_CONFIGS = Path("/work/shared/data/hf-configs")
+HF_CONFIGS = SHARED_DATA / "hf-configs"
 
 # Hand-checked against the model cards' config.json: (layers, hidden, heads, kv heads, ffn,
 # head dim = hidden / heads, eps, vocab, tied).
