@@ -15,6 +15,13 @@ _EXPECTED = (
     (r"Apex is not installed\. Falling back to Torch Norm", "CPU / no Apex: torch RMSNorm"),
     (r"full scope is deprecated", "megatron-core default of cuda_graph_scope, irrelevant without CUDA graphs"),
     (r"MimoModelConfig is experimental", "imported by megatron-core itself"),
+    # megatron-core's distributed-checkpoint load (strategies/torch.py) calls torch DCP's load with
+    # the reader positional and no_dist=True on purpose (each rank reads its own shards), on the
+    # torch ShardedTensor format its checkpoints are written in
+    (r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to load in a single process",
+     "megatron-core's checkpoint load passes no_dist=True"),
+    (r"The argument order of load has been changed", "megatron-core calls torch DCP load with a positional reader"),
+    (r"Please use DTensor instead and we are deprecating ShardedTensor", "megatron-core's checkpoint format"),
 )
 _LOG_EXPECTED = (
     "GPTModel IS DEPRECATED",  # GPTModel is what megatron-core 0.19's Qwen2 path and checkpoints use
