@@ -864,6 +864,10 @@ _OPEN_PATHS = {"/health", "/health_generate", "/ready", "/metrics"}
 _NORMAL_PATHS = {"/generate", "/model_info", "/get_model_info", "/server_info", "/get_server_info"}
 
 
+PARTIAL_VERSION_SUFFIX = "+partial"
+"""Appended to ``weight_version`` when a failed update left the weights partly written."""
+
+
 @dataclass
 class ServerState:
     """Everything the HTTP handlers share (one per server process)."""
@@ -874,6 +878,8 @@ class ServerState:
     args: argparse.Namespace
     groups: dict[str, Any] = field(default_factory=dict)
     session_open: bool = False
+    session_wrote: bool = False
+    """An ``/update_weights_from_distributed`` call of the open session has written weights."""
     recv_buffer: torch.Tensor | None = None
     """Receive buffer of flattened buckets, grown to the largest bucket seen."""
     lock: _ModelUpdateLock = field(default_factory=_ModelUpdateLock)
@@ -1277,6 +1283,7 @@ def build_app(state: ServerState):
                     "call end_weight_update() first"
                 )
             state.session_open = True
+            state.session_wrote = False
             return ok("Weight update session started")
 
         return await with_write_lock(run)
@@ -1330,6 +1337,8 @@ def build_app(state: ServerState):
         if pg is None:
             return fail(f"Failed to update weights: no weight update group named {body.group_name!r}")
 
+        written = [False]  # live parameters touched by this call (the in-place path, once it starts)
+
         def receive_and_load() -> None:
             import torch.distributed as dist
 
@@ -1337,8 +1346,10 @@ def build_app(state: ServerState):
                 targets = engine.direct_targets(body.names, dtypes, body.shapes)
                 if targets is not None:  # every entry is a parameter as it is: receive in place, no copy
                     with engine.model_lock, torch.no_grad():
+                        written[0] = True
                         for t in targets:
                             dist.broadcast(t, src=0, group=pg)
+                    state.session_wrote = True
                     return
             meta = BucketMeta(names=body.names, dtypes=body.dtypes, shapes=body.shapes)
             # one receive buffer kept across buckets and syncs (load_weights copies out of it; update
@@ -1354,17 +1365,32 @@ def build_app(state: ServerState):
                 for _, t in named:
                     dist.broadcast(t, src=0, group=pg)
             engine.load_weights(named)  # validates every name and shape before writing any
+            state.session_wrote = True
+
+        def mark_partial() -> str:
+            # the weights now match no version: say so wherever the version shows (/model_info,
+            # every generation's meta_info), so no one takes them for the old version
+            if not engine.weight_version.endswith(PARTIAL_VERSION_SUFFIX):
+                engine.weight_version += PARTIAL_VERSION_SUFFIX
+            logger.warning("weights partly updated by a failed update; weight_version is now %r until all "
+                           "weights are sent again", engine.weight_version)
+            return (f"The weights are partly updated (weight_version is now {engine.weight_version!r}); "
+                    "send all of them again")
 
         async def run():
             try:
                 await in_control_thread(receive_and_load)
-            except ValueError as e:
+            except ValueError as e:  # refused after receiving, before writing
+                if state.session_wrote:
+                    return fail(f"Failed to update weights: {e}. This call changed no weight, but earlier calls "
+                                f"of this session did. {mark_partial()}.")
                 return fail(f"Failed to update weights: {e}. No weight was changed.")
-            except Exception as e:  # a failed collective: the group may be out of step
+            except Exception as e:  # a failed collective or allocation: the group may be out of step
                 logger.exception("update_weights_from_distributed failed")
-                return fail(
-                    f"Failed to update weights: {e}. The weights may be partly updated; send all of them again."
-                )
+                if written[0] or state.session_wrote:
+                    return fail(f"Failed to update weights: {e}. {mark_partial()}; the group may be out of step.")
+                return fail(f"Failed to update weights: {e}. No weight was changed; the group may be out of "
+                            "step (destroy and re-create it before the next update).")
             if body.weight_version is not None:
                 engine.weight_version = body.weight_version
             if body.flush_cache:

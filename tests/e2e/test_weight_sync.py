@@ -226,3 +226,61 @@ def test_a_dead_trainers_group_and_a_refused_group_set_up(server):
     assert seconds < 45, f"the refused set-up took {seconds:.0f} s to exit (rendezvous timeout 60 s)"
     out, _ = run(_SYNC, model_dir)
     assert "VERSION after-crash" in out.stdout
+
+
+_DIES_MID_SYNC = """
+import os, sys, threading, time, torch, torch.distributed as dist
+from transformers import AutoModelForCausalLM
+from megatron_rl.rollout.client import RolloutClient
+from megatron_rl.weight_sync.sender import WeightSyncSender
+c = RolloutClient(sys.argv[1], timeout_s=60)
+s = WeightSyncSender([c], timeout_s=60)  # load_format null: one broadcast per tensor, received in place
+s.init_group()
+sd = AutoModelForCausalLM.from_pretrained(sys.argv[2], dtype=torch.float32).state_dict()
+names = ["lm_head.weight", "model.norm.weight"]
+first = torch.full_like(sd[names[0]], 0.25)
+s.begin_update()
+threading.Thread(target=lambda: c.update_weights_from_distributed(
+    names, ["float32"] * 2, [list(sd[n].shape) for n in names], group_name=s.group_name, flush_cache=False,
+    weight_version="never", timeout_s=60), daemon=True).start()
+time.sleep(1.0)
+dist.broadcast(first, src=0, group=s._pg)  # the first of two tensors, then the trainer dies
+time.sleep(0.5)
+os._exit(0)
+"""
+
+
+def test_a_sync_cut_off_mid_way_marks_the_version_partial(server):
+    """With load_format null the server receives into its parameters; a trainer that dies after the
+    first of two tensors leaves them partly written. The server must not keep serving them under
+    the old version: the version gets the "+partial" suffix (in /model_info and every generation's
+    meta_info) until a full sync sets a new one."""
+    import subprocess
+    import sys
+
+    from megatron_rl.rollout.client import RolloutClient
+
+    model_dir, proc = server
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    client = RolloutClient(proc.base_url, timeout_s=60)
+    before = client.weight_version()
+    assert not before.endswith("+partial")
+    out = subprocess.run([sys.executable, "-c", _DIES_MID_SYNC, proc.base_url, str(model_dir)], capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    deadline = time.monotonic() + 150  # the server's receive of the second tensor fails (peer gone, or 120 s timeout)
+    while client.weight_version() == before and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert client.weight_version() == before + "+partial", proc.log_tail()
+    head = torch.tensor(client.get_weights_by_name("lm_head.weight", truncate_size=4))
+    assert torch.equal(head.flatten()[:4], torch.full((4,), 0.25))  # the first tensor did land
+    client.end_weight_update()
+    client.continue_generation()
+    res = client.generate_raw({"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
+    assert res["meta_info"]["weight_version"] == before + "+partial"
+    # a full sync (the next trainer's) clears it
+    out = subprocess.run([sys.executable, "-c", _SYNC, proc.base_url, str(model_dir)], capture_output=True,
+                         text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:] + "\n--- server log ---\n" + proc.log_tail()
+    assert "VERSION after-crash" in out.stdout
+    client.close()
