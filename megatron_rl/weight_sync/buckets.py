@@ -76,6 +76,12 @@ class BucketMeta:
                 f"{len(self.names)}, {len(self.dtypes)}, {len(self.shapes)}"
             )
 
+    @classmethod
+    def of(cls, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> BucketMeta:
+        """The metadata of ``(name, tensor)`` pairs, in their order."""
+        return cls(names=[n for n, _ in named_tensors], dtypes=[dtype_name(t.dtype) for _, t in named_tensors],
+                   shapes=[list(t.shape) for _, t in named_tensors])
+
     @property
     def nbytes(self) -> int:
         """Size in bytes of the flattened bucket (padding included)."""
@@ -168,11 +174,7 @@ def flatten_bucket(bucket: Sequence[tuple[str, torch.Tensor]]) -> tuple[torch.Te
     devices = {t.device for _, t in bucket}
     if len(devices) != 1:
         raise ValueError(f"all tensors of a bucket must be on one device, got {sorted(map(str, devices))}")
-    meta = BucketMeta(
-        names=[n for n, _ in bucket],
-        dtypes=[dtype_name(t.dtype) for _, t in bucket],
-        shapes=[list(t.shape) for _, t in bucket],
-    )
+    meta = BucketMeta.of(bucket)
     offsets, total = flattened_layout([t.dtype for _, t in bucket], meta.shapes)
     if len(bucket) == 1 and bucket[0][1].is_contiguous():
         # a bucket of one tensor (large tensors go alone) is its own bytes: a view, no copy
@@ -295,7 +297,6 @@ def wire_buckets(
             flat, meta = flatten_bucket(current)
         else:
             flat = [t.detach().contiguous() for _, t in current]
-            meta = BucketMeta(names=[n for n, _ in current], dtypes=[dtype_name(t.dtype) for t in flat],
-                              shapes=[list(t.shape) for t in flat])
+            meta = BucketMeta.of(current)
         yield flat, meta, following is None
         current = following
