@@ -1304,6 +1304,24 @@ def build_app(state: ServerState):
 
     refuse_calls = _fault_refused_update_calls()
 
+    def mark_partial() -> str:
+        # the weights match no version: say so wherever the version shows (/model_info, every
+        # generation's meta_info), so no one takes them for the old version
+        if not engine.weight_version.endswith(PARTIAL_VERSION_SUFFIX):
+            engine.weight_version += PARTIAL_VERSION_SUFFIX
+        logger.warning("weights partly updated by a failed update; weight_version is now %r until all "
+                       "weights are sent again", engine.weight_version)
+        return (f"The weights may be partly updated (weight_version is now {engine.weight_version!r}); "
+                "send all of them again")
+
+    def refuse(message: str, *, before_writing: bool = True):
+        """A failed update call. It wrote nothing (``before_writing``), but an earlier call of the open
+        session may have: then the weights are a mix of two versions and the version says so."""
+        if state.session_open and state.session_wrote:
+            earlier = " This call changed no weight, but earlier calls of this session did." if before_writing else ""
+            return fail(f"{message}.{earlier} {mark_partial()}.")
+        return fail(f"{message}. No weight was changed.")
+
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: Request):
         body = await parse(request, UpdateDistBody)
@@ -1311,33 +1329,31 @@ def build_app(state: ServerState):
         if state.update_calls in refuse_calls:  # fault injection for tests (FAULT_REFUSE_UPDATES_ENV)
             logger.warning("refusing update_weights_from_distributed call %d (%s)", state.update_calls,
                            FAULT_REFUSE_UPDATES_ENV)
-            return fail(f"Failed to update weights: call {state.update_calls} refused by {FAULT_REFUSE_UPDATES_ENV}")
+            return refuse(f"Failed to update weights: call {state.update_calls} refused by {FAULT_REFUSE_UPDATES_ENV}")
         if not state.session_open:
             return fail(
                 "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
             )
         if not (len(body.names) == len(body.dtypes) == len(body.shapes)) or not body.names:
-            return fail(
+            return refuse(
                 f"Failed to update weights: names, dtypes and shapes must be non-empty lists of one length, "
                 f"got {len(body.names)}, {len(body.dtypes)}, {len(body.shapes)}"
             )
         if body.load_format not in (None, "flattened_bucket"):
-            return fail(
+            return refuse(
                 f"Failed to update weights: load_format {body.load_format!r} is not supported "
                 "(use null or 'flattened_bucket')"
             )
         if body.selector == "draft":
-            return fail("Failed to update weights: the server has no draft model")
+            return refuse("Failed to update weights: the server has no draft model")
         try:
             dtypes = [dtype_from_name(d) for d in body.dtypes]
             flattened_layout(dtypes, body.shapes)
         except ValueError as e:
-            return fail(f"Failed to update weights: {e}")
+            return refuse(f"Failed to update weights: {e}")
         pg = state.groups.get(body.group_name)
         if pg is None:
-            return fail(f"Failed to update weights: no weight update group named {body.group_name!r}")
-
-        written = [False]  # live parameters touched by this call (the in-place path, once it starts)
+            return refuse(f"Failed to update weights: no weight update group named {body.group_name!r}")
 
         def receive_and_load() -> None:
             import torch.distributed as dist
@@ -1346,10 +1362,9 @@ def build_app(state: ServerState):
                 targets = engine.direct_targets(body.names, dtypes, body.shapes)
                 if targets is not None:  # every entry is a parameter as it is: receive in place, no copy
                     with engine.model_lock, torch.no_grad():
-                        written[0] = True
+                        state.session_wrote = True  # from the first byte on (a failure leaves a mix)
                         for t in targets:
                             dist.broadcast(t, src=0, group=pg)
-                    state.session_wrote = True
                     return
             meta = BucketMeta(names=body.names, dtypes=body.dtypes, shapes=body.shapes)
             # one receive buffer kept across buckets and syncs (load_weights copies out of it; update
@@ -1367,32 +1382,18 @@ def build_app(state: ServerState):
             engine.load_weights(named)  # validates every name and shape before writing any
             state.session_wrote = True
 
-        def mark_partial() -> str:
-            # the weights now match no version: say so wherever the version shows (/model_info,
-            # every generation's meta_info), so no one takes them for the old version
-            if not engine.weight_version.endswith(PARTIAL_VERSION_SUFFIX):
-                engine.weight_version += PARTIAL_VERSION_SUFFIX
-            logger.warning("weights partly updated by a failed update; weight_version is now %r until all "
-                           "weights are sent again", engine.weight_version)
-            return (f"The weights are partly updated (weight_version is now {engine.weight_version!r}); "
-                    "send all of them again")
-
         async def run():
             try:
                 await in_control_thread(receive_and_load)
             except ValueError as e:  # refused after receiving, before writing
-                if state.session_wrote:
-                    return fail(f"Failed to update weights: {e}. This call changed no weight, but earlier calls "
-                                f"of this session did. {mark_partial()}.")
-                return fail(f"Failed to update weights: {e}. No weight was changed.")
+                return refuse(f"Failed to update weights: {e}")
             except Exception as e:  # a failed collective or allocation: the group may be out of step
                 logger.exception("update_weights_from_distributed failed")
-                if written[0] or state.session_wrote:
-                    return fail(f"Failed to update weights: {e}. {mark_partial()}; the group may be out of step.")
-                return fail(f"Failed to update weights: {e}. No weight was changed; the group may be out of "
-                            "step (destroy and re-create it before the next update).")
-            if body.weight_version is not None:
+                return refuse(f"Failed to update weights: {e}; the group may be out of step (destroy and "
+                              "re-create it before the next update)", before_writing=False)
+            if body.weight_version is not None:  # a complete version: what follows starts a new mix
                 engine.weight_version = body.weight_version
+                state.session_wrote = False
             if body.flush_cache:
                 can, why = engine.can_flush()
                 if not can:

@@ -143,12 +143,19 @@ class WeightSyncSender:
         world_size = 1 + sum(tp_sizes)
         offsets = [1 + sum(tp_sizes[:i]) for i in range(len(self.clients))]
         # a group of this name left by a trainer that died (a server this run did not start) would
-        # make the server refuse the new one: drop it first; "no such group" is the usual answer
+        # make the server refuse the new one: drop it first; "no such group" is the usual answer.
+        # A trainer that died mid-sync also left its update session open, which would refuse the
+        # next begin_weight_update: close it too (the next sync sends every weight again)
         for c in self.clients:
             try:
                 c.destroy_weights_update_group(self.group_name)
-                logger.warning("%s still had a weight-update group %r (an earlier trainer's): destroyed it",
-                               c.base_url, self.group_name)
+            except RolloutServerError:
+                continue
+            logger.warning("%s still had a weight-update group %r (an earlier trainer's): destroyed it",
+                           c.base_url, self.group_name)
+            try:
+                c.end_weight_update(timeout_s=self.timeout_s)
+                logger.warning("%s: closed the weight-update session the earlier trainer left open", c.base_url)
             except RolloutServerError:
                 pass
         posts = [

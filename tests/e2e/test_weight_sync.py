@@ -274,8 +274,7 @@ def test_a_sync_cut_off_mid_way_marks_the_version_partial(server):
     assert client.weight_version() == before + "+partial", proc.log_tail()
     head = torch.tensor(client.get_weights_by_name("lm_head.weight", truncate_size=4))
     assert torch.equal(head.flatten()[:4], torch.full((4,), 0.25))  # the first tensor did land
-    client.end_weight_update()
-    client.continue_generation()
+    client.continue_generation()  # the dead trainer's session stays open: the next trainer must cope
     res = client.generate_raw({"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
     assert res["meta_info"]["weight_version"] == before + "+partial"
     # a full sync (the next trainer's) clears it
@@ -283,4 +282,51 @@ def test_a_sync_cut_off_mid_way_marks_the_version_partial(server):
                          text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:] + "\n--- server log ---\n" + proc.log_tail()
     assert "VERSION after-crash" in out.stdout
+    assert "closed the weight-update session the earlier trainer left open" in out.stderr
     client.close()
+
+
+_REFUSED_SECOND_BUCKET = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+from megatron_rl.rollout.client import RolloutClient
+from megatron_rl.rollout.errors import WeightSyncError
+from megatron_rl.weight_sync.sender import WeightSyncSender
+c = RolloutClient(sys.argv[1], timeout_s=60)
+s = WeightSyncSender([c], timeout_s=60, bucket_size_mib=0.1)  # several buckets
+s.init_group()
+sd = AutoModelForCausalLM.from_pretrained(sys.argv[2], dtype=torch.float32).state_dict()
+try:
+    s.sync(sd.items(), weight_version="1")  # the server refuses call 2: bucket 1 has landed
+except WeightSyncError as e:
+    print("ERROR", e)
+    if e.group_broken:  # what the trainer does: re-create the group, then sync again
+        s.destroy()
+        s.init_group()
+print("AFTER_FAIL", c.weight_version())
+s.sync(sd.items(), weight_version="1")
+print("AFTER_RETRY", c.weight_version())
+s.close()
+"""
+
+
+def test_a_refused_later_bucket_marks_the_version_partial(tmp_path):
+    """A session whose second bucket is refused (fault injection) has written the first: the version
+    gets "+partial"; the retry's full sync clears it."""
+    import subprocess
+    import sys
+
+    from megatron_rl.rollout.server import FAULT_REFUSE_UPDATES_ENV
+
+    model_dir = tmp_path / "model"
+    _save_model(model_dir)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    server_env = dict(env, **{FAULT_REFUSE_UPDATES_ENV: "2"})
+    extra = ["--dtype", "float32", "--weight-version", "0", "--weight-sync-timeout-s", "60"]
+    with launch_rollout_server(model_dir, log_path=tmp_path / "server.log", extra_args=extra, env=server_env) as proc:
+        out = subprocess.run([sys.executable, "-c", _REFUSED_SECOND_BUCKET, proc.base_url, str(model_dir)],
+                             capture_output=True, text=True, timeout=300, env=env)
+        assert out.returncode == 0, out.stderr[-3000:] + "\n--- server log ---\n" + proc.log_tail()
+    assert "earlier calls of this session did" in out.stdout and "'0+partial'" in out.stdout, out.stdout
+    assert "AFTER_FAIL 0+partial" in out.stdout
+    assert "AFTER_RETRY 1" in out.stdout
