@@ -72,8 +72,10 @@ def load_benchmark(spec: str, data_dir: Optional[Path] = None) -> tuple[str, lis
         path, adapter = Path(path_s), adapter or "verl"
         name = path.stem
     if not path.is_file():
+        where = (f"; the benchmark files are read from {path.parent} (--data-dir, or $MEGATRON_RL_DATA_DIR, "
+                 "names the folder)") if spec in BENCHMARKS else ""
         raise FileNotFoundError(f"{path}: no such dataset file (benchmarks: {', '.join(BENCHMARKS)}; "
-                                "or give a verl-format .jsonl/.parquet path)")
+                                f"or give a verl-format .jsonl/.parquet path){where}")
     rows = load_rows(path, adapter=adapter, name=name)
     if not rows:
         raise ValueError(f"{path}: no problems in the file (empty or blank lines only)")

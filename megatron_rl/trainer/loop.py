@@ -540,6 +540,7 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
     def run_eval(tag: str) -> dict:
         if not is_controller:
             return {}
+        logger.info("eval %s: %d problems x %d samples + greedy ...", tag, len(val_rows), cfg.eval.n)
         res = evaluate(ctl.manager, val_rows, n=cfg.eval.n, temperature=cfg.eval.temperature,
                        top_p=cfg.eval.top_p, seed=cfg.eval.seed, max_new_tokens=eval_len, tag=tag)
         logger.info("eval %s: %s", tag, {k: round(v, 4) for k, v in res.items() if isinstance(v, float)})
