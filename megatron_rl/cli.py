@@ -213,7 +213,7 @@ def _eval(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     from megatron_rl.eval.benchmark import EvalSettings, format_table, run_eval
-    from megatron_rl.rollout.errors import RolloutServerError
+    from megatron_rl.errors import RolloutServerError
 
     settings = EvalSettings(n=args.n, temperature=args.temperature, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, seed=args.seed, verifier=args.verifier,

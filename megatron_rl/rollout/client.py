@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import httpx
 
-from megatron_rl.rollout.errors import RolloutServerError
+from megatron_rl.errors import RolloutServerError
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from megatron_rl.rollout.client import RolloutClient
-from megatron_rl.rollout.errors import RolloutServerError
+from megatron_rl.errors import RolloutServerError
 
 logger = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from megatron_rl.ports import find_free_port
 from megatron_rl.rollout.client import RolloutClient
-from megatron_rl.rollout.errors import RolloutServerError
+from megatron_rl.errors import RolloutServerError
 
 logger = logging.getLogger(__name__)
 

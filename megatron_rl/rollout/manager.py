@@ -188,7 +188,7 @@ class RolloutManager:
         """One `/generate` on the server picked for `key`; retried on a live server when it got no
         answer (the server died or hung; `ServerFleet.report_failure` recovers). An HTTP error answer
         is raised at once. The retry repeats the same rid and `sampling_seed`."""
-        from megatron_rl.rollout.errors import RolloutServerError
+        from megatron_rl.errors import RolloutServerError
 
         for attempt in range(2 * len(self.clients) + 2):
             index, epoch = self.fleet.pick(key)
@@ -203,7 +203,7 @@ class RolloutManager:
 
     def abort(self, rid_prefix: str) -> None:
         """`/abort_request` on every server that is up: every request whose rid starts with `rid_prefix`."""
-        from megatron_rl.rollout.errors import RolloutServerError
+        from megatron_rl.errors import RolloutServerError
 
         for i in self.fleet.up_indices():
             try:

@@ -19,7 +19,7 @@ import yaml
 
 from megatron_rl.config import Config, config_to_dict, save_config
 from megatron_rl.config.loader import environment_checks
-from megatron_rl.rollout.errors import RolloutServerError, WeightSyncError
+from megatron_rl.errors import RolloutServerError, WeightSyncError
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.rollout.client import RolloutClient
-from megatron_rl.rollout.errors import RolloutServerError, WeightSyncError
+from megatron_rl.errors import RolloutServerError, WeightSyncError
 from megatron_rl.weight_sync.buckets import server_weight_dtype, wire_buckets
 from megatron_rl.weight_sync.group import destroy_custom_process_group, init_custom_process_group
 

@@ -28,7 +28,7 @@ from megatron_rl.data.dataset import PromptRow
 from megatron_rl.rollout.fleet import ServerFleet
 from megatron_rl.rollout.launcher import launch_servers
 from megatron_rl.rollout.manager import RolloutManager
-from megatron_rl.rollout.errors import WeightSyncError
+from megatron_rl.errors import WeightSyncError
 from megatron_rl.weight_sync.sender import WeightSyncSender
 from tests.e2e.random_qwen2 import EOS, save_random_qwen2
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_rl.rollout.client import GenerateRequest, RolloutClient
-from megatron_rl.rollout.errors import RolloutServerError
+from megatron_rl.errors import RolloutServerError
 from megatron_rl.rollout.launcher import launch_rollout_server
 
 EOS = 2

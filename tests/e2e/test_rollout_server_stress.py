@@ -27,7 +27,7 @@ import torch
 from tests.e2e.random_qwen2 import save_random_qwen2
 
 from megatron_rl.rollout.client import RolloutClient
-from megatron_rl.rollout.errors import RolloutServerError
+from megatron_rl.errors import RolloutServerError
 from megatron_rl.rollout.launcher import launch_rollout_server
 
 EOS = 2

@@ -50,7 +50,7 @@ def _trainer(model_dir, base_url, queue):
         from transformers import AutoModelForCausalLM
 
         from megatron_rl.rollout.client import RolloutClient
-        from megatron_rl.rollout.errors import WeightSyncError
+        from megatron_rl.errors import WeightSyncError
         from megatron_rl.weight_sync.sender import WeightSyncSender
 
         torch.set_num_threads(1)
@@ -177,7 +177,7 @@ os._exit(0)  # dies with its group still registered on the server
 _REFUSED = """
 import sys
 from megatron_rl.rollout.client import RolloutClient
-from megatron_rl.rollout.errors import WeightSyncError
+from megatron_rl.errors import WeightSyncError
 from megatron_rl.weight_sync.sender import WeightSyncSender
 s = WeightSyncSender([RolloutClient(sys.argv[1], timeout_s=60)], timeout_s=60, backend="nccl")
 try:
@@ -290,7 +290,7 @@ _REFUSED_SECOND_BUCKET = """
 import sys, torch
 from transformers import AutoModelForCausalLM
 from megatron_rl.rollout.client import RolloutClient
-from megatron_rl.rollout.errors import WeightSyncError
+from megatron_rl.errors import WeightSyncError
 from megatron_rl.weight_sync.sender import WeightSyncSender
 c = RolloutClient(sys.argv[1], timeout_s=60)
 s = WeightSyncSender([c], timeout_s=60, bucket_size_mib=0.1)  # several buckets

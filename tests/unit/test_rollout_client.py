@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from megatron_rl.rollout.client import GenerateRequest, GenerateResult, RolloutClient
-from megatron_rl.rollout.errors import RolloutServerError
+from megatron_rl.errors import RolloutServerError
 
 QWEN_IM_END = 151645
 

@@ -1,14 +1,20 @@
-"""Exception types for failures of the rollout servers and of the weight sync.
+"""The project's error types, shared by every layer (config, rollout, weight sync, engine).
 
-These are failures of *external* parts (a server process, an HTTP call, a broadcast group),
-kept apart from ``ValueError``/``TypeError`` (user mistakes) so that callers can apply one
-retry policy to them (see ``RolloutClient``: only requests that never reached the server and
-idempotent GETs are retried; everything else surfaces as one of these).
+`RolloutServerError` and `WeightSyncError` are failures of *external* parts (a server process, an
+HTTP call, a broadcast group), kept apart from ``ValueError``/``TypeError`` (user mistakes) so that
+callers can apply one retry policy to them (see ``RolloutClient``: only requests that never reached
+the server and idempotent GETs are retried; everything else surfaces as one of these).
+This module imports nothing of the project, so any package may import it.
 """
 
 from __future__ import annotations
 
-__all__ = ["RolloutServerError", "WeightSyncError"]
+__all__ = ["ConfigError", "RolloutServerError", "WeightSyncError"]
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work: the message names the key (`section.field`), the bad value
+    and what is allowed. A `ValueError`, so callers that catch user mistakes catch it too."""
 
 
 class RolloutServerError(RuntimeError):
