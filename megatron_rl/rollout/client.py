@@ -25,6 +25,7 @@ from typing import Any, Literal
 import httpx
 
 from megatron_rl.errors import RolloutServerError
+from megatron_rl.rollout.engine import RolloutEngine
 
 logger = logging.getLogger(__name__)
 
@@ -173,8 +174,9 @@ KEEPALIVE_EXPIRY_S = 2.0
 """Idle seconds after which a pooled connection is dropped (below uvicorn's 5 s keep-alive timeout)."""
 
 
-class RolloutClient:
-    """Client of one rollout server (SGLang or embedded), one method per endpoint.
+class RolloutClient(RolloutEngine):
+    """Client of one rollout server speaking SGLang's HTTP API (the `embedded` and `sglang` backends
+    of `RolloutEngine`), one method per endpoint.
 
     Args:
         base_url: e.g. ``"http://127.0.0.1:30000"``.

@@ -21,16 +21,19 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_rl.ports import find_free_port
-from megatron_rl.rollout.client import RolloutClient
 from megatron_rl.errors import RolloutServerError
+from megatron_rl.rollout.client import RolloutClient
+from megatron_rl.rollout.engine import ENGINE_BACKENDS, EngineBackend
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "ROLLOUT_BACKENDS",
+    "LaunchSpec",
     "ServerProcess",
     "allocate_server_ports",
     "build_embedded_command",
@@ -139,10 +142,6 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-ROLLOUT_BACKENDS = ("embedded", "sglang")
-"""Names accepted by ``rollout.backend`` / ``launch_servers(backend=...)``."""
 
 
 def allocate_server_ports(
@@ -390,40 +389,82 @@ def launch_rollout_server(
     )
 
 
+@dataclass(frozen=True, kw_only=True)
+class LaunchSpec:
+    """What every engine of one launch shares (`launch_servers` builds it from its arguments)."""
+
+    model_path: str
+    host: str = "127.0.0.1"
+    api_key: str | None = None
+    admin_api_key: str | None = None
+    random_seed: int | None = None
+    enable_deterministic_inference: bool = False
+    embedded_args: tuple[str, ...] = ()
+    sglang_python: str = "python"
+    tp_size: int = 1
+    mem_fraction_static: float | None = None
+    skip_tokenizer_init: bool = True
+    sglang_args: tuple[str, ...] = ()
+
+
+def _embedded_command(spec: LaunchSpec, ports: Sequence[int]) -> list[str]:
+    extra = list(spec.embedded_args)
+    if spec.random_seed is not None:
+        extra += ["--random-seed", str(spec.random_seed)]
+    if spec.enable_deterministic_inference:
+        extra.append("--enable-deterministic-inference")
+    if spec.api_key:
+        extra += ["--api-key", spec.api_key]
+    if spec.admin_api_key:
+        extra += ["--admin-api-key", spec.admin_api_key]
+    return build_embedded_command(spec.model_path, host=spec.host, port=ports[0], extra_args=extra)
+
+
+def _sglang_command(spec: LaunchSpec, ports: Sequence[int]) -> list[str]:
+    return build_sglang_command(
+        spec.model_path, python=spec.sglang_python, host=spec.host, port=ports[0], nccl_port=ports[1],
+        tp_size=spec.tp_size, mem_fraction_static=spec.mem_fraction_static,
+        skip_tokenizer_init=spec.skip_tokenizer_init, random_seed=spec.random_seed,
+        enable_deterministic_inference=spec.enable_deterministic_inference, api_key=spec.api_key,
+        admin_api_key=spec.admin_api_key, extra_args=spec.sglang_args,
+    )
+
+
+ENGINE_BACKENDS.register("embedded")(
+    EngineBackend(name="embedded", ports_per_server=1, build_command=_embedded_command, client=RolloutClient))
+# SGLang has no parent-death watchdog: a trainer killed outright must not leave engines behind
+ENGINE_BACKENDS.register("sglang")(
+    EngineBackend(name="sglang", ports_per_server=2, build_command=_sglang_command, client=RolloutClient,
+                  watchdog=True))
+ROLLOUT_BACKENDS = tuple(ENGINE_BACKENDS.names())
+"""Names accepted by ``rollout.backend`` / ``launch_servers(backend=...)``."""
+
+
 def launch_servers(
     backend: str,
     model_path: str | os.PathLike,
     num_servers: int,
     *,
-    host: str = "127.0.0.1",
     ports: Sequence[int] = (),
     log_dir: str | os.PathLike | None = None,
     startup_timeout_s: float = 180.0,
     env: dict[str, str] | None = None,
-    api_key: str | None = None,
-    admin_api_key: str | None = None,
-    random_seed: int | None = None,
-    enable_deterministic_inference: bool = False,
-    embedded_args: Sequence[str] = (),
-    sglang_python: str = "python",
-    tp_size: int = 1,
-    mem_fraction_static: float | None = None,
-    skip_tokenizer_init: bool = True,
-    sglang_args: Sequence[str] = (),
+    **spec_fields,
 ) -> list[ServerProcess]:
-    """Start ``num_servers`` rollout servers of ``backend`` together and wait until all are healthy.
+    """Start ``num_servers`` rollout engines of ``backend`` together and wait until all are healthy.
 
     Ports for all of them are allocated first (``allocate_server_ports``: explicit ``ports`` or free
     ones, all distinct), then the processes start at once and are waited for together, so their
     start-ups overlap. Server *i* logs to ``<log_dir>/rollout_server_<i>.log``.
 
     Args:
-        backend: ``"embedded"`` or ``"sglang"`` (``ROLLOUT_BACKENDS``).
-        ports: explicit ports: one per server (embedded) or two per server, HTTP then NCCL (sglang).
-        embedded_args: more flags for the embedded server (e.g. ``["--max-batch-size", "64"]``).
-        sglang_python, tp_size, mem_fraction_static, skip_tokenizer_init, sglang_args: see
-            ``build_sglang_command``.
-        Others: as ``launch_rollout_server``; the keys and the seed go to either backend's flag.
+        backend: a name of ``ENGINE_BACKENDS`` (``embedded``, ``sglang``).
+        ports: explicit ports, ``ports_per_server`` of the backend per engine (HTTP first; SGLang
+            then its NCCL port).
+        spec_fields: the ``LaunchSpec`` fields (``host``, keys, ``random_seed``,
+            ``enable_deterministic_inference``, ``embedded_args``, ``sglang_python``, ``tp_size``,
+            ``mem_fraction_static``, ``skip_tokenizer_init``, ``sglang_args``).
+        Others: as ``launch_rollout_server``.
 
     Returns:
         One healthy ``ServerProcess`` per server, in order (``restart()`` brings one back).
@@ -432,39 +473,26 @@ def launch_servers(
         ValueError: unknown backend or bad ports.
         RolloutServerError: a server did not come up (all started ones are stopped).
     """
-    if backend not in ROLLOUT_BACKENDS:
-        raise ValueError(f"rollout backend {backend!r} unknown; choose one of {', '.join(ROLLOUT_BACKENDS)}")
-    per_server = 1 if backend == "embedded" else 2
-    port_sets = allocate_server_ports(num_servers, host=host, ports=ports, per_server=per_server)
+    if backend not in ENGINE_BACKENDS:
+        raise ValueError(f"rollout backend {backend!r} unknown; choose one of {', '.join(ENGINE_BACKENDS.names())}")
+    kind = ENGINE_BACKENDS.get(backend)
+    for key in ("embedded_args", "sglang_args"):
+        if key in spec_fields:
+            spec_fields[key] = tuple(str(a) for a in spec_fields[key] or ())
+    spec = LaunchSpec(model_path=str(model_path), **spec_fields)
+    port_sets = allocate_server_ports(num_servers, host=spec.host, ports=ports, per_server=kind.ports_per_server)
 
     def make_cmd(ports_: tuple[int, ...]) -> list[str]:
-        if backend == "embedded":
-            extra = list(embedded_args)
-            if random_seed is not None:
-                extra += ["--random-seed", str(random_seed)]
-            if enable_deterministic_inference:
-                extra.append("--enable-deterministic-inference")
-            if api_key:
-                extra += ["--api-key", api_key]
-            if admin_api_key:
-                extra += ["--admin-api-key", admin_api_key]
-            return build_embedded_command(model_path, host=host, port=ports_[0], extra_args=extra)
-        sglang_cmd = build_sglang_command(
-            model_path, python=sglang_python, host=host, port=ports_[0], nccl_port=ports_[1], tp_size=tp_size,
-            mem_fraction_static=mem_fraction_static, skip_tokenizer_init=skip_tokenizer_init,
-            random_seed=random_seed, enable_deterministic_inference=enable_deterministic_inference,
-            api_key=api_key, admin_api_key=admin_api_key, extra_args=sglang_args,
-        )
-        # SGLang has no parent-death watchdog: a trainer killed outright must not leave engines behind
-        return with_parent_watchdog(sglang_cmd)
+        cmd = kind.build_command(spec, ports_)
+        return with_parent_watchdog(cmd) if kind.watchdog else cmd
 
     servers: list[ServerProcess] = []
     try:
         for i, ports_ in enumerate(port_sets):
             log = Path(log_dir) / f"rollout_server_{i}.log" if log_dir is not None else None
-            servers.append(_start(make_cmd, ports_, per_server, host=host, log_path=log,
-                                  startup_timeout_s=startup_timeout_s, env=env, api_key=api_key,
-                                  admin_api_key=admin_api_key, wait=False))
+            servers.append(_start(make_cmd, ports_, kind.ports_per_server, host=spec.host, log_path=log,
+                                  startup_timeout_s=startup_timeout_s, env=env, api_key=spec.api_key,
+                                  admin_api_key=spec.admin_api_key, wait=False))
         for server in servers:
             if _wait_healthy(server, startup_timeout_s) == "port":
                 raise RolloutServerError(f"rollout server {server.base_url}: port {list(server.ports)} taken; "

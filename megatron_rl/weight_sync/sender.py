@@ -21,16 +21,20 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from megatron_rl.rollout.client import RolloutClient
 from megatron_rl.errors import RolloutServerError, WeightSyncError
+from megatron_rl.ports import find_free_port
 from megatron_rl.weight_sync.buckets import server_weight_dtype, wire_buckets
 from megatron_rl.weight_sync.group import destroy_custom_process_group, init_custom_process_group
+
+if TYPE_CHECKING:  # the engines' client; weight_sync never imports rollout at run time
+    from megatron_rl.rollout.engine import RolloutEngine as RolloutClient
 
 logger = logging.getLogger(__name__)
 
@@ -131,8 +135,6 @@ class WeightSyncSender:
         """
         if self._pg is not None:
             raise WeightSyncError("init_group() called twice; call destroy() first")
-        from megatron_rl.rollout.launcher import find_free_port
-
         port = self.master_port or find_free_port(self.master_address)
         try:
             tp_sizes = [int(t) for t in self._all(lambda c: c.tp_size())]
@@ -255,7 +257,7 @@ class WeightSyncSender:
         try:
             stats = self.send(named_tensors, weight_version=weight_version)
         except BaseException:
-            self._close_session_after_error()
+            self.close_session_after_error()
             raise
         t2 = time.perf_counter()
         self.finish_update(weight_version)
@@ -401,7 +403,8 @@ class WeightSyncSender:
         except RolloutServerError as e:
             raise WeightSyncError(f"continue_generation failed: {e}") from e
 
-    def _close_session_after_error(self) -> None:
+    def close_session_after_error(self) -> None:
+        """Close the open update session on every server after a failed send (best effort, logged)."""
         for c in self.clients:
             try:
                 c.end_weight_update(timeout_s=min(30.0, self.timeout_s))

@@ -257,7 +257,7 @@ def test_bad_layout_refused_before_ranks_start(tmp_path, over, words):
 
 
 def test_layout_hints_name_the_memory_savers_left_off():
-    from megatron_rl.trainer.loop import _layout_hints
+    from megatron_rl.trainer.setup import layout_hints as _layout_hints
 
     t = load_config(None, BASE + ["trainer.tensor_model_parallel_size=2", "trainer.nproc_per_node=8"]).trainer
     hints = _layout_hints(t, dp_size=4, use_te=True)

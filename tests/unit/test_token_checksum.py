@@ -1,7 +1,7 @@
 """`rollout/token_checksum` (trainer.loop.token_checksum): hand-computed values, position
 sensitivity, and exactness as a float64 metric."""
 
-from megatron_rl.trainer.loop import _CHECKSUM_PRIME, token_checksum
+from megatron_rl.trainer.step_metrics import CHECKSUM_PRIME as _CHECKSUM_PRIME, token_checksum
 
 
 def test_hand_computed():

@@ -1,0 +1,135 @@
+"""The `RolloutEngine` interface every rollout backend implements, and the backend registry.
+
+The loop, the rollout manager, the fleet and the weight publisher talk to engines only through
+this interface (DESIGN.md "Stages and engines"); they never ask which backend they have. A
+backend is registered in `ENGINE_BACKENDS` with how to start one engine (its command line and
+the ports it needs) and how to talk to it (its client class).
+
+Backends today: `embedded` (this project's server, `python -m megatron_rl.engine`) and `sglang`
+(`python -m sglang.launch_server`); both speak SGLang's HTTP API, so `RolloutClient` is the
+client of both. Method names follow SGLang's endpoints (docs/SGLANG_API.md).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from megatron_rl.registry import Registry
+
+__all__ = ["EngineBackend", "ENGINE_BACKENDS", "RolloutEngine"]
+
+
+class RolloutEngine(abc.ABC):
+    """One rollout engine (a server process, possibly with several TP workers).
+
+    Every method raises `megatron_rl.errors.RolloutServerError` when the engine cannot be reached
+    or refuses, and `ValueError` for bad arguments.
+    """
+
+    base_url: str
+
+    # ---- generation -------------------------------------------------------------------------
+    @abc.abstractmethod
+    def generate(self, input_ids: list[int], sampling_params: dict[str, Any], rid: str, return_logprob: bool = True,
+                 *, eos_token_ids: Iterable[int] | None = None, timeout_s: float | None = None):
+        """Token ids in -> a `GenerateResult` (output ids, per-token log-probs, finish reason,
+        weight version). `sampling_params["sampling_seed"]` seeds the request."""
+
+    @abc.abstractmethod
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        """Abort the running requests whose id starts with `rid` (or all of them)."""
+
+    @abc.abstractmethod
+    def pause_generation(self, mode: Literal["abort", "retract", "in_place"] = "abort") -> dict:
+        """Stop scheduling; `abort` finishes running requests with finish type `abort`."""
+
+    @abc.abstractmethod
+    def continue_generation(self) -> dict:
+        """Resume after `pause_generation`."""
+
+    # ---- health and identity ----------------------------------------------------------------
+    @abc.abstractmethod
+    def is_healthy(self, timeout_s: float = 2.0) -> bool:
+        """Whether the engine answers its health check within `timeout_s` seconds (never raises)."""
+
+    @abc.abstractmethod
+    def wait_healthy(self, timeout_s: float) -> None:
+        """Block until healthy; raises `RolloutServerError` after `timeout_s` seconds."""
+
+    @abc.abstractmethod
+    def model_info(self) -> dict:
+        """The engine's model description (`weight_version`, `dtype` where reported)."""
+
+    @abc.abstractmethod
+    def weight_version(self) -> str:
+        """Label of the weights the engine samples from."""
+
+    @abc.abstractmethod
+    def tp_size(self) -> int:
+        """Tensor-parallel workers of the engine (ranks it adds to a weight-update group)."""
+
+    # ---- the weight-update session -----------------------------------------------------------
+    @abc.abstractmethod
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group", backend: str = "gloo", *,
+                                  timeout_s: float | None = None) -> dict:
+        """Join a trainer's broadcast group at ranks `rank_offset ..`."""
+
+    @abc.abstractmethod
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
+        """Leave and destroy the named group."""
+
+    @abc.abstractmethod
+    def begin_weight_update(self, selector: Literal["all", "target", "draft"] = "all", *,
+                            timeout_s: float | None = None) -> dict:
+        """Open the update session (after `pause_generation`)."""
+
+    @abc.abstractmethod
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]], *,
+                                        group_name: str = "weight_update_group", flush_cache: bool = False,
+                                        weight_version: str | None = None, load_format: str | None = None,
+                                        timeout_s: float | None = None) -> dict:
+        """Receive one bucket by broadcast from rank 0 of `group_name` while the trainer sends it."""
+
+    @abc.abstractmethod
+    def end_weight_update(self, *, timeout_s: float | None = None) -> dict:
+        """Close the update session."""
+
+    @abc.abstractmethod
+    def flush_cache(self, timeout_s: float = 0.0) -> str:
+        """Drop cached KV / prefixes computed with the old weights."""
+
+    @abc.abstractmethod
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """The first `truncate_size` rows of a weight, for checks."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the client's connections (the engine keeps running)."""
+
+
+@dataclass(frozen=True)
+class EngineBackend:
+    """How to start and reach one kind of engine.
+
+    Attributes:
+        name: `rollout.backend` value.
+        ports_per_server: TCP ports one engine needs (HTTP first).
+        build_command: `build_command(spec, ports) -> argv` for one engine (`spec`: a
+            `rollout.launcher.LaunchSpec`).
+        client: `client(base_url, **keys_and_timeouts) -> RolloutEngine`.
+        watchdog: wrap the command in the parent-death watchdog (engines without `--parent-pid`).
+    """
+
+    name: str
+    ports_per_server: int
+    build_command: Callable[[Any, Sequence[int]], list[str]]
+    client: Callable[..., RolloutEngine]
+    watchdog: bool = False
+
+
+ENGINE_BACKENDS: Registry[EngineBackend] = Registry("rollout backend")
+"""`rollout.backend` -> `EngineBackend`; registered in `megatron_rl.rollout.launcher`."""

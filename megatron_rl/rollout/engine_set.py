@@ -1,0 +1,125 @@
+"""The controller's rollout engines: started (or reached at given URLs), connected, stopped.
+
+Engines the run starts itself are launched in a background thread as soon as the run begins,
+so that their start-up overlaps the trainer's model build; `connect` waits for them and returns
+the `ServerFleet` (engines up/down, restarts) that the rollout manager and the weight publisher
+share.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
+from megatron_rl.rollout.engine import ENGINE_BACKENDS
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["EngineSet", "rollout_server_env"]
+
+_TRAINER_ONLY_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+                     "TORCHELASTIC_RUN_ID", "CUDA_DEVICE_MAX_CONNECTIONS", "MEGATRON_RL_USER_OMP_NUM_THREADS")
+
+
+def rollout_server_env() -> dict[str, str]:
+    """The environment of an embedded rollout server: this process's, without the trainer's
+    rank variables, and with the user's OMP_NUM_THREADS rather than the one-thread-per-rank value
+    the local launcher sets (the server's thread count changes its numerics, so it must not depend
+    on the trainer's layout)."""
+    env = dict(os.environ)
+    user_threads = env.get("MEGATRON_RL_USER_OMP_NUM_THREADS")
+    for key in _TRAINER_ONLY_ENV:
+        env.pop(key, None)
+    if user_threads is not None:
+        if user_threads:
+            env["OMP_NUM_THREADS"] = user_threads
+        else:
+            env.pop("OMP_NUM_THREADS", None)
+    return env
+
+
+class EngineSet:
+    """The run's rollout engines (controller only).
+
+    Args:
+        cfg: the run's `Config` (`rollout.*`, `model.path`, `weight_sync.timeout_s`, `run_dir`).
+
+    Engines are started at once (unless `rollout.server_urls` names running ones); call
+    `connect()` before use and `stop()` at the end (it also cancels a launch in progress).
+    """
+
+    def __init__(self, cfg) -> None:
+        self.cfg = cfg
+        self.processes: list = []
+        self.clients: list = []
+        self.fleet = None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="server-launch")
+        self._launch = self._pool.submit(self._start) if not cfg.rollout.server_urls else None
+
+    def _start(self) -> list[str]:
+        from megatron_rl.rollout.launcher import launch_servers
+
+        cfg, r = self.cfg, self.cfg.rollout
+        self.processes = launch_servers(
+            r.backend, cfg.model.path, r.num_servers, ports=r.server_ports, log_dir=cfg.run_dir,
+            startup_timeout_s=r.startup_timeout_s, env=rollout_server_env(), api_key=r.api_key,
+            admin_api_key=r.admin_api_key, random_seed=cfg.trainer.seed,
+            enable_deterministic_inference=r.enable_deterministic_inference,
+            embedded_args=["--max-batch-size", str(r.server_max_batch_size),
+                           # the server's rendezvous / broadcast timeout = the trainer's (a failed
+                           # group set-up frees the server's control thread as soon as the trainer gives up)
+                           "--weight-sync-timeout-s", str(cfg.weight_sync.timeout_s)],
+            sglang_python=r.sglang_python,
+            tp_size=r.tp_size, mem_fraction_static=r.mem_fraction_static, skip_tokenizer_init=r.skip_tokenizer_init,
+            sglang_args=r.sglang_extra_args,
+        )
+        return [server.base_url for server in self.processes]
+
+    def client(self, url: str, *, generate_timeout_s: float | None = None):
+        """A new `RolloutEngine` client of the engine at `url` with the run's keys."""
+        r = self.cfg.rollout
+        return ENGINE_BACKENDS.get(r.backend).client(
+            url, api_key=r.api_key, admin_api_key=r.admin_api_key, timeout_s=60.0,
+            generate_timeout_s=generate_timeout_s or r.timeout_s)
+
+    def connect(self):
+        """Wait for the engines, build one client each and the `ServerFleet`; returns the fleet.
+
+        Raises:
+            RolloutServerError: an engine did not come up (the message holds its log tail).
+        """
+        from megatron_rl.rollout.fleet import ServerFleet
+
+        r = self.cfg.rollout
+        urls = self._launch.result() if self._launch is not None else list(r.server_urls)
+        self.clients = [self.client(u) for u in urls]
+        self.fleet = ServerFleet(self.clients, self.processes if self._launch is not None else None,
+                                 max_restarts=r.max_server_restarts)
+        return self.fleet
+
+    def stop(self) -> None:
+        """Close the clients and stop the engines this run started (waits for a launch in progress)."""
+        for c in self.clients:
+            c.close()
+        if self._launch is not None:
+            self._launch.cancel()
+            try:
+                self._launch.result(timeout=self.cfg.rollout.startup_timeout_s + 30)
+            except Exception:  # noqa: BLE001 - the launch error was already raised by connect()
+                pass
+        for server in self.processes:
+            server.stop()
+        self._pool.shutdown(wait=False)
+
+    def dead_servers(self) -> str:
+        """A report of started engines that are no longer running (exit code, log tail), or ""."""
+        lines = []
+        for i, server in enumerate(self.processes):
+            code = server.process.poll()
+            if code is not None:
+                how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
+                lines.append(f"rollout server {i} (pid {server.process.pid}) is dead ({how}); last lines of "
+                             f"{server.log_path}:\n{server.log_tail(20)}")
+        return "\n".join(lines)

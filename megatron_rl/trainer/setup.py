@@ -1,0 +1,358 @@
+"""Set-up of one training run: logging, process groups, data, the policy, engines, resume state.
+
+`build_run` returns a `Run` that the loop (`trainer/loop.py`) drives step by step; every
+resource it opens is registered on the caller's `ExitStack`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import yaml
+
+from megatron_rl.config import Config, config_to_dict, save_config
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Run", "build_run", "layout_hints", "setup_logging"]
+
+
+def setup_logging(run_dir: Path, rank: int) -> None:
+    """Console + `<run_dir>/train.log` handlers with the rank in every line (entry point only)."""
+    fmt = logging.Formatter(f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s", "%H:%M:%S")
+    root = logging.getLogger()
+    root.setLevel(logging.INFO)
+    for h in list(root.handlers):
+        root.removeHandler(h)
+    console = logging.StreamHandler()
+    console.setFormatter(fmt)
+    if rank != 0:  # the controller narrates; other ranks' INFO lines go to their own log file
+        console.setLevel(logging.WARNING)
+    root.addHandler(console)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fh = logging.FileHandler(run_dir / ("train.log" if rank == 0 else f"train_rank{rank}.log"))
+    fh.setFormatter(fmt)
+    root.addHandler(fh)
+    for noisy in ("httpx", "urllib3", "megatron.core"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def layout_hints(t, dp_size: int, use_te: bool) -> list[str]:
+    """Memory savers left off where they apply (verl and the 32B recipes turn both on): one line each.
+
+    Args:
+        t: the trainer config section; dp_size: data-parallel ranks; use_te: Transformer Engine layers in use.
+    """
+    hints = []
+    if t.tensor_model_parallel_size > 1 and use_te and not t.sequence_parallel:
+        hints.append(f"trainer.sequence_parallel is off with tensor_model_parallel_size={t.tensor_model_parallel_size}: "
+                     "norm and dropout activations are kept whole on every TP rank; set trainer.sequence_parallel=true "
+                     "to split them (verl's default)")
+    if dp_size > 1 and not t.use_distributed_optimizer:
+        hints.append(f"trainer.use_distributed_optimizer is off with {dp_size} data-parallel ranks: every rank keeps "
+                     "the full fp32 master weights and Adam states; set trainer.use_distributed_optimizer=true to "
+                     "shard them over DP (verl's default)")
+    return hints
+
+
+@dataclass
+class Run:
+    """Everything a running training job holds; built by `build_run`.
+
+    Attributes (the controller is global rank 0; `None` / empty on other ranks where noted):
+        model: this rank's model chunk (unwrapped `GPTModel`); ddp_model: `[DDP(model)]`.
+        policy: the `PolicyTrainer` (log-probs and PPO updates).
+        ref_model: `[reference model]` when `actor.use_kl_loss`, else None.
+        dataset: the `PromptDataset` (controller); val_rows: held-out rows (controller).
+        tracker: the DAA `DifficultyTracker` (all ranks; only the controller's records).
+        engines / producer / writer: controller only.
+        publisher: the `WeightPublisher` (all ranks).
+        weight_version / total_tokens / start_step / wall_before / resumed_from: resume state.
+        summary: the dict written to `summary.json`.
+    """
+
+    cfg: Config
+    run_dir: Path
+    rank: int
+    pgs: object
+    t_start: float
+    hf_config: dict = field(default_factory=dict)
+    tokenizer: object = None
+    pad_id: int = 0
+    train_rows: list = field(default_factory=list)
+    val_rows: list = field(default_factory=list)
+    model: object = None
+    ddp_model: object = None
+    optimizer: object = None
+    scheduler: object = None
+    policy: object = None
+    ref_model: object = None
+    dataset: object = None
+    tracker: object = None
+    engines: object = None
+    producer: object = None
+    publisher: object = None
+    writer: object = None
+    weight_version: int = 0
+    total_tokens: int = 0
+    start_step: int = 1
+    wall_before: float = 0.0
+    resumed_from: int | None = None
+    summary: dict = field(default_factory=dict)
+
+    @property
+    def is_controller(self) -> bool:
+        return self.rank == 0
+
+    def state(self) -> dict:
+        """The run state saved with each checkpoint (besides model, optimizer and scheduler)."""
+        return {"data": self.dataset.state_dict() if self.dataset is not None else {},
+                "difficulty": self.tracker.state_dict(), "weight_version": self.weight_version,
+                "total_generated_tokens": self.total_tokens,
+                "wall_s": self.wall_before + time.perf_counter() - self.t_start,
+                **({"eval_before": self.summary["eval_before"]} if "eval_before" in self.summary else {})}
+
+
+def _init_parallel(cfg: Config, stack: contextlib.ExitStack):
+    from megatron_rl.parallel.cpu_compat import enable_cpu_compat
+    from megatron_rl.parallel.groups import destroy_parallel, initialize_parallel, world_of_one
+
+    if cfg.trainer.num_threads:
+        torch.set_num_threads(cfg.trainer.num_threads)
+    enable_cpu_compat()
+    t = cfg.trainer
+    layout = dict(
+        tensor_model_parallel_size=t.tensor_model_parallel_size,
+        pipeline_model_parallel_size=t.pipeline_model_parallel_size,
+        context_parallel_size=t.context_parallel_size, backend=t.distributed_backend,
+        timeout_s=int(t.distributed_timeout_s), seed=t.seed,
+    )
+    if "WORLD_SIZE" not in os.environ:  # a plain process, not under torchrun/srun: a world of one
+        return stack.enter_context(world_of_one(**layout))
+    pgs = initialize_parallel(**layout)
+    stack.callback(destroy_parallel)
+    return pgs
+
+
+def _load_data(run: Run) -> None:
+    """Tokenizer and rows: a bad row or an over-long prompt fails in seconds, before the model is
+    built. Only the controller reads the data; the other ranks receive each step's batch from it."""
+    from transformers import AutoTokenizer
+
+    from megatron_rl.data.dataset import load_rows
+    from megatron_rl.data.prompts import check_prompt_lengths
+
+    cfg, is_controller = run.cfg, run.is_controller
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.path)
+    run.tokenizer = tokenizer
+    run.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    train_rows, val_rows = [], []
+    for f in cfg.data.train_files if is_controller else []:
+        train_rows += load_rows(f, adapter=cfg.data.train_adapter)
+    if not train_rows and is_controller:
+        raise ValueError("data.train_files holds no rows")
+    for f in cfg.data.val_files if is_controller else []:
+        val_rows += load_rows(f, adapter=cfg.data.val_adapter)
+    if cfg.eval.max_problems:
+        val_rows = val_rows[: cfg.eval.max_problems]
+    run.train_rows = check_prompt_lengths(train_rows, tokenizer, cfg.data.max_prompt_length,
+                                          drop=cfg.data.filter_overlong_prompts, what="data.train_files")
+    if not run.train_rows and is_controller:
+        raise ValueError("data.train_files: every prompt is longer than data.max_prompt_length")
+    run.val_rows = check_prompt_lengths(val_rows, tokenizer, cfg.data.max_prompt_length,
+                                        drop=cfg.data.filter_overlong_prompts, what="data.val_files")
+
+
+def _build_model(run: Run, tf_config, *, trainable: bool = True):
+    from megatron_rl.models.builder import build_model, use_te_for
+    from megatron_rl.models.hf_weights import load_hf_weights
+
+    cfg, pgs = run.cfg, run.pgs
+    model = build_model(run.hf_config, tf_config, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
+                        pre_process=pgs.is_pipeline_first_stage, post_process=pgs.is_pipeline_last_stage,
+                        use_te=use_te_for(cfg.trainer.transformer_impl))
+    load_hf_weights(model, cfg.model.path, tp_rank=pgs.tp_rank, tp_size=pgs.tp_size)
+    if not trainable:
+        model.requires_grad_(False)
+    return model
+
+
+def _loss_settings(cfg: Config):
+    from megatron_rl.trainer.policy import LossSettings
+
+    a = cfg.actor
+    return LossSettings(
+        policy_loss=a.policy_loss, loss_agg_mode=a.loss_agg_mode,
+        loss_scale_factor=a.loss_scale_factor or (float(cfg.data.max_response_length)
+                                                  if a.loss_agg_mode == "seq-mean-token-sum-norm" else None),
+        clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
+        gspo_clip_low=a.gspo_clip_low, gspo_clip_high=a.gspo_clip_high, cispo_clip_low=a.cispo_clip_low,
+        cispo_clip_high=a.cispo_clip_high, tis_enable=a.tis.enable, tis_clip=a.tis.clip,
+        kl_coef=a.kl_loss_coef if a.use_kl_loss else 0.0, kl_type=a.kl_loss_type, entropy_coeff=a.entropy_coeff,
+    )
+
+
+def _build_policy(run: Run) -> None:
+    """The policy (and reference) model, DDP + optimizer + LR schedule, and the `PolicyTrainer`."""
+    from megatron_rl.models.builder import transformer_config_for, wrap_ddp_and_optimizer
+    from megatron_rl.models.hf_config import build_model_spec
+    from megatron_rl.trainer.policy import PolicyTrainer
+
+    cfg, pgs, t, a = run.cfg, run.pgs, run.cfg.trainer, run.cfg.actor
+    run.hf_config = json.loads((Path(cfg.model.path) / "config.json").read_text())
+    spec = build_model_spec(run.hf_config, tensor_model_parallel_size=t.tensor_model_parallel_size,
+                            make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
+    tf_config = transformer_config_for(run.hf_config, t)
+    run.model = _build_model(run, tf_config)
+    o = a.optim
+    steps_per_rl_step = (cfg.data.train_batch_size // a.ppo_mini_batch_size) * a.ppo_epochs
+    tm = wrap_ddp_and_optimizer(
+        run.model, tf_config, lr=o.lr, weight_decay=o.weight_decay, clip_grad=o.clip_grad,
+        adam_betas=(o.adam_beta1, o.adam_beta2), adam_eps=o.adam_eps,
+        use_distributed_optimizer=t.use_distributed_optimizer,
+        lr_warmup_steps=o.lr_warmup_steps * steps_per_rl_step,
+        lr_decay_steps=max(t.total_training_steps * steps_per_rl_step, 1), lr_decay_style=o.lr_decay_style,
+    )
+    run.ddp_model, run.optimizer, run.scheduler = tm.model, tm.optimizer, tm.scheduler
+    if a.use_kl_loss:
+        run.ref_model = [_build_model(run, tf_config, trainable=False)]
+    run.policy = PolicyTrainer(
+        run.ddp_model, run.optimizer, run.scheduler, vocab_size=spec.vocab_size, micro_batch_size=a.ppo_micro_batch_size,
+        tp_group=pgs.tp if t.tensor_model_parallel_size > 1 else None, ref_model=run.ref_model,
+        dp_group=pgs.dp_cp if pgs.dp_size * pgs.cp_size > 1 else None,
+        pp_group=pgs.pp if pgs.pp_size > 1 else None, max_tokens_per_micro_batch=a.token_budget,
+        loss=_loss_settings(cfg),
+    )
+
+
+def _warn_config_changes(cfg: Config, saved_path: Path) -> None:
+    """Log the keys whose values differ from the config the checkpoint was written with."""
+    if not saved_path.is_file():
+        return
+    from megatron_rl.config.loader import _flatten
+
+    saved = yaml.safe_load(saved_path.read_text()) or {}
+    old, new = _flatten(saved), _flatten(config_to_dict(cfg))
+    for key in sorted(set(old) | set(new)):
+        if old.get(key) != new.get(key) and "api_key" not in key:
+            logger.warning("resuming with a changed setting %s: %r (checkpoint) -> %r (now)", key, old.get(key), new.get(key))
+
+
+def _restore(run: Run) -> None:
+    """Exact resume from the newest complete checkpoint: weights, optimizer, scheduler, RNG, data
+    cursor, difficulty history, weight version, token count, wall time, the step-0 evaluation."""
+    from megatron_rl.checkpoint.save import latest_checkpoint, load_checkpoint
+
+    cfg = run.cfg
+    run.resumed_from = latest_checkpoint(run.run_dir) if cfg.trainer.resume_mode == "auto" else None
+    if run.resumed_from is None:
+        return
+    step = run.resumed_from
+    state = load_checkpoint(run.run_dir, step, model=run.ddp_model, optimizer=run.optimizer, scheduler=run.scheduler)
+    _warn_config_changes(cfg, run.run_dir / "checkpoints" / f"iter_{step:07d}" / "config.yaml")
+    if run.is_controller:
+        run.dataset.load_state_dict(state["data"])
+    run.tracker.load_state_dict(state["difficulty"])
+    run.weight_version = int(state["weight_version"])
+    run.total_tokens = int(state.get("total_generated_tokens", 0))
+    run.wall_before = float(state.get("wall_s", 0.0))
+    if "eval_before" in state:
+        run.summary["eval_before"] = state["eval_before"]
+    run.start_step = step + 1
+    run.summary["resumed_from_step"] = step
+    logger.info("resuming from step %d (%s); next step %d", step, run.run_dir / "checkpoints", run.start_step)
+
+
+def _sender_factory(cfg: Config, engines):
+    """`(urls, group_name) -> WeightSyncSender` over new clients of those engines."""
+    from megatron_rl.rollout.engine import ENGINE_BACKENDS
+    from megatron_rl.weight_sync.sender import WeightSyncSender
+
+    r, ws = cfg.rollout, cfg.weight_sync
+
+    def make(urls: list[str], group_name: str):
+        clients = [ENGINE_BACKENDS.get(r.backend).client(u, api_key=r.api_key, admin_api_key=r.admin_api_key,
+                                                          timeout_s=60.0, generate_timeout_s=r.timeout_s)
+                   for u in urls]
+        return WeightSyncSender(clients, master_address=ws.master_address,
+                                master_port=ws.master_port if group_name == "weight_update_group" else None,
+                                backend=ws.backend, group_name=group_name, bucket_size_mib=ws.bucket_size_mib,
+                                timeout_s=ws.timeout_s, load_format=ws.load_format)
+
+    return make
+
+
+def _connect_controller(run: Run, stack: contextlib.ExitStack) -> None:
+    """Controller: engines, rollout manager + reward pool, producer, metrics writer."""
+    from megatron_rl.metrics.writer import MetricsWriter
+    from megatron_rl.rewards.pool import RewardPool
+    from megatron_rl.rollout.manager import RolloutManager
+    from megatron_rl.trainer.producer import RolloutProducer
+
+    cfg, r = run.cfg, run.cfg.rollout
+    fleet = run.engines.connect()
+    pool = stack.enter_context(RewardPool(cfg.reward.num_workers, cfg.reward.timeout_s))
+    ob = cfg.reward.overlong_buffer
+    eos = {run.tokenizer.eos_token_id} if run.tokenizer.eos_token_id is not None else set()
+    manager = RolloutManager(
+        fleet, run.tokenizer, pool, reward_fn=cfg.reward.reward_fn,
+        max_prompt_length=cfg.data.max_prompt_length, max_response_length=cfg.data.max_response_length,
+        correct_score=cfg.reward.correct_score, incorrect_score=cfg.reward.incorrect_score,
+        overlong=(ob.enable, ob.len, ob.penalty_factor), seed=cfg.trainer.seed,
+        max_concurrency=r.max_concurrency, eos_token_ids=sorted(eos),
+    )
+    stack.callback(manager.close)
+    run.producer = RolloutProducer(cfg, manager, run.dataset, run.tracker, pad_id=run.pad_id, dp_size=run.pgs.dp_size)
+    run.writer = MetricsWriter(run.run_dir, tensorboard=cfg.trainer.tensorboard,
+                               wandb_project="megatron-rl" if cfg.trainer.wandb else None,
+                               resume_from_step=run.resumed_from)
+    stack.callback(run.writer.close)
+
+
+def build_run(cfg: Config, stack: contextlib.ExitStack, rank: int, t_start: float) -> Run:
+    """Set up everything of a run (DESIGN.md "One step", before step 0): process groups, data,
+    policy, resume state, engines, producer, weight publisher. Collective over every rank.
+
+    Raises:
+        ValueError: bad data (file and row named), config errors found at launch.
+        RolloutServerError: an engine did not come up.
+    """
+    from megatron_rl.algorithms.daa import DifficultyTracker
+    from megatron_rl.data.dataset import PromptDataset
+    from megatron_rl.models.builder import use_te_for
+    from megatron_rl.rollout.engine_set import EngineSet
+    from megatron_rl.weight_sync.publisher import WeightPublisher
+
+    run_dir = Path(cfg.run_dir)
+    if rank == 0:  # engines start now, in the background, and come up while the model is built
+        engines = EngineSet(cfg)
+        stack.callback(engines.stop)
+    run = Run(cfg=cfg, run_dir=run_dir, rank=rank, pgs=_init_parallel(cfg, stack), t_start=t_start,
+              summary={"run_dir": str(run_dir.resolve()), "config": config_to_dict(cfg)})
+    if run.is_controller:
+        run.engines = engines
+        save_config(cfg, run_dir / "config.yaml")
+        for hint in layout_hints(cfg.trainer, run.pgs.dp_size, use_te_for(cfg.trainer.transformer_impl)):
+            logger.warning(hint)
+    torch.manual_seed(cfg.trainer.seed)
+    _load_data(run)
+    _build_policy(run)
+    t = cfg.trainer
+    run.dataset = PromptDataset(run.train_rows, seed=t.seed, shuffle=cfg.data.shuffle) if run.is_controller else None
+    run.tracker = DifficultyTracker(a0=cfg.algorithm.daa.prior_a, b0=cfg.algorithm.daa.prior_b)
+    _restore(run)
+    if run.is_controller:
+        _connect_controller(run, stack)
+    run.publisher = WeightPublisher(
+        run.model, run.hf_config, run.pgs, sender_factory=_sender_factory(cfg, run.engines),
+        fleet=run.engines.fleet if run.is_controller else None,
+        check_checksums=cfg.weight_sync.check_checksums, run_dir=run_dir)
+    stack.callback(run.publisher.close)
+    return run

@@ -1,0 +1,84 @@
+"""Stopping a run cleanly: SIGTERM / SIGUSR1 finish the step in flight, checkpoint, exit 75."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ExitSignal", "TrainingInterrupted"]
+
+
+class TrainingInterrupted(Exception):
+    """The run stopped on SIGTERM/SIGUSR1 after writing the checkpoint of `step` (resume by rerunning).
+
+    Args:
+        step: the last step trained (0: none).
+        run_dir: the run directory (named in the message).
+        trained: False when the signal came before `step + 1` was trained (no new checkpoint).
+    """
+
+    def __init__(self, step: int, run_dir: Path, trained: bool = True) -> None:
+        if trained:
+            text = (f"stopped by a signal after step {step}; checkpoint in {run_dir}/checkpoints; "
+                    "rerun the same command to resume")
+        elif step == 0:
+            text = "stopped by a signal before the first step (nothing trained, no checkpoint); rerun the same command"
+        else:
+            text = (f"stopped by a signal before step {step + 1}; the checkpoint of step {step} in "
+                    f"{run_dir}/checkpoints is intact; rerun the same command to resume")
+        super().__init__(text)
+        self.step = step
+
+
+class ExitSignal:
+    """SIGTERM / SIGUSR1 set a flag that the loop checks after each step (Megatron-LM's
+    `--exit-signal-handler`, Slurm's `--signal=USR1@T`); a second signal restores the default
+    action and re-raises it, so a stuck run can still be stopped.
+
+    Args:
+        enabled: install the handlers (only possible on the main thread; elsewhere a no-op).
+    """
+
+    SIGNALS = ("SIGTERM", "SIGUSR1")
+
+    def __init__(self, enabled: bool) -> None:
+        self.signal_name: str | None = None
+        self._previous: dict = {}
+        if not enabled or threading.current_thread() is not threading.main_thread():
+            return
+        for name in self.SIGNALS:
+            sig = getattr(signal, name, None)
+            if sig is not None:
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.signal_name is not None:  # second signal: stop now
+            self.restore()
+            os.kill(os.getpid(), signum)
+            return
+        self.signal_name = signal.Signals(signum).name
+        logger.warning("%s received: finishing the current step, then checkpoint and exit", self.signal_name)
+
+    def requested(self) -> bool:
+        """True on every rank when any rank got a signal (a MAX all-reduce when world size > 1)."""
+        flag = self.signal_name is not None
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            t = torch.tensor([int(flag)])
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+            flag = bool(t.item())
+            if flag and self.signal_name is None:
+                self.signal_name = "signal on another rank"
+        return flag
+
+    def restore(self) -> None:
+        """Put back the handlers that were installed before."""
+        for sig, prev in self._previous.items():
+            signal.signal(sig, prev)
+        self._previous = {}

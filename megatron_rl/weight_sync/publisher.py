@@ -1,0 +1,325 @@
+"""The weight publisher: DESIGN.md step 7, the trainer's new weights to the rollout engines.
+
+Stage routing: each pipeline stage's source rank (TP rank 0 of the first data-parallel replica)
+sends its own stage's HF-named tensors to the engines over its own weight-update group
+(`weight_update_group` for stage 0, `weight_update_group_pp{k}` for stage k, each with that rank
+as rank 0, as slime does), and posts the matching `/update_weights_from_distributed` calls
+itself; no tensor passes through another trainer rank. The other TP ranks of that replica take
+part in the TP gathers (`models.hf_weights.iter_hf_weights`). The controller (global rank 0)
+alone pauses the engines, opens and closes the update session, checks the version and resumes.
+
+One sync, collective over every trainer rank (typed messages, no sentinels):
+  1. controller: restart dead engines (`ServerFleet`), then send a `SyncPlan` to every rank;
+  2. every stage source (re)creates its group when the plan says so; errors are shared;
+  3. controller: pause + open the session on every engine;
+  4. stage 0, 1, ... in turn send their tensors (the version rides on the last stage's last bucket);
+     after each stage its source shares a `StageReport`;
+  5. controller: close the session, flush, check every engine's version, continue.
+A failed attempt (any step) is retried once with every group re-created; a second failure raises
+`WeightSyncError` on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_rl.errors import RolloutServerError, WeightSyncError
+from megatron_rl.parallel.control import ControllerFailed, broadcast_object, receive_from_controller, send_to_ranks
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SyncPlan", "StageReport", "WeightPublisher", "stage_group_name"]
+
+_SUM_KEYS = ("bytes", "num_buckets", "num_tensors", "broadcast_time_s", "prepare_time_s", "load_time_s")
+
+
+def stage_group_name(stage: int) -> str:
+    """Name of pipeline stage `stage`'s weight-update group on the engines."""
+    return "weight_update_group" if stage == 0 else f"weight_update_group_pp{stage}"
+
+
+@dataclass(frozen=True)
+class SyncPlan:
+    """Controller -> every rank: take part in the sync to `version` now.
+
+    Attributes:
+        version: the weight version the engines will hold.
+        urls: base URLs of the engines that are up (every stage's group spans these).
+        reinit: re-create every stage's group first (first sync, engines changed, or a retry).
+        attempt: 1, or 2 for the retry after a failure.
+    """
+
+    version: int
+    urls: tuple[str, ...]
+    reinit: bool
+    attempt: int
+
+
+@dataclass(frozen=True)
+class StageReport:
+    """A stage source -> every rank after its part: `error` None when it went well."""
+
+    stage: int
+    error: str | None
+    stats: dict | None = None
+
+
+class WeightPublisher:
+    """Every trainer rank holds one; `publish(version)` is called by every rank after each update.
+
+    Args:
+        model: this rank's model chunk (DDP-wrapped or not).
+        hf_config: the HF config the model was built from.
+        pgs: `ProcessGroups` of this rank.
+        sender_factory: `sender_factory(urls, group_name) -> WeightSyncSender` (built on stage
+            source ranks only, lazily, with the run's weight_sync settings and the engines' keys).
+        fleet: the controller's `ServerFleet` (None on other ranks).
+        check_checksums: verify every tensor on every engine after each sync (slow; tests/debug).
+        run_dir: named in the error that stops the run.
+    """
+
+    def __init__(self, model, hf_config: dict, pgs, *, sender_factory, fleet=None,
+                 check_checksums: bool = False, run_dir=None) -> None:
+        self.model = model
+        self.hf_config = hf_config
+        self.pgs = pgs
+        self.sender_factory = sender_factory
+        self.fleet = fleet
+        self.check = check_checksums
+        self.run_dir = run_dir
+        self.is_controller = pgs.rank == 0
+        self.in_first_replica = pgs.dp_rank == 0 and pgs.cp_rank == 0
+        self.is_source = self.in_first_replica and pgs.tp_rank == 0
+        self.sender = None
+        self._urls: tuple[str, ...] = ()
+        self._expected: dict = {}
+        self.sources = self._source_ranks()
+
+    def _source_ranks(self) -> list[int]:
+        """Global rank of every stage's source, by stage (the same list on every rank)."""
+        mine = (self.pgs.pp_rank, self.pgs.rank) if self.is_source else None
+        if self.pgs.world_size == 1:
+            return [0]
+        everyone: list = [None] * self.pgs.world_size
+        dist.all_gather_object(everyone, mine)
+        return [rank for _, rank in sorted(x for x in everyone if x is not None)]
+
+    # ------------------------------------------------------------------ the controller's side
+    def publish(self, version: int) -> dict:
+        """Controller: run the sync to `version` (retried once); other ranks: follow it.
+
+        Returns the controller's metrics (`weight_sync/*`, `rollout/server_restarts`,
+        `rollout/servers_up`); {} on other ranks.
+
+        Raises:
+            WeightSyncError: the sync failed twice (every rank raises it; the newest checkpoint
+                stays the last complete one).
+            RolloutServerError: no engine could be brought back (controller; the others get
+                `RuntimeError` through the channel).
+        """
+        if not self.is_controller:
+            return self.follow(receive_from_controller(self.pgs))
+        error = None
+        for attempt in (1, 2):
+            try:
+                plan = self._plan(version, attempt)
+            except RolloutServerError as e:
+                send_to_ranks(ControllerFailed(f"{type(e).__name__}: {e}"), self.pgs)
+                raise
+            send_to_ranks(plan, self.pgs)
+            metrics, error = self._run(plan)
+            if error is None:
+                if attempt == 2:
+                    logger.warning("weight sync to version %d succeeded on the retry", version)
+                return metrics
+            if attempt == 1:
+                logger.warning("weight sync to version %d failed (%s); retrying once with a new group", version, error)
+        raise self._failed_twice(version, error)
+
+    def _plan(self, version: int, attempt: int) -> SyncPlan:
+        self.fleet.check_all()
+        changed = self.fleet.recover()
+        urls = tuple(c.base_url for c in self.fleet.up_clients())
+        if not urls:
+            raise RolloutServerError("no rollout server is up to sync to")
+        if changed:
+            logger.warning("rollout servers changed (%d up); re-creating the weight-update group", len(urls))
+        return SyncPlan(version=version, urls=urls, reinit=changed or attempt == 2, attempt=attempt)
+
+    def _failed_twice(self, version: int, error: str | None) -> WeightSyncError:
+        where = f" in {self.run_dir}/checkpoints" if self.run_dir is not None else ""
+        return WeightSyncError(
+            f"weight sync to version {version} failed twice, the run stops: {error}. The newest checkpoint"
+            f"{where} is intact; rerun the same command to resume from it")
+
+    # ------------------------------------------------------------------ every other rank
+    def follow(self, plan) -> dict:
+        """Other ranks: take part in the sync of `plan` (already received from the controller) and
+        in its retry. Raises `WeightSyncError` when it failed twice, `RuntimeError` when the
+        controller stopped."""
+        while True:
+            if not isinstance(plan, SyncPlan):
+                raise RuntimeError(f"expected a weight-sync plan from the controller, got {type(plan).__name__}")
+            _, error = self._run(plan)
+            if error is None:
+                return {}
+            if plan.attempt == 2:
+                raise self._failed_twice(plan.version, error)
+            plan = receive_from_controller(self.pgs)
+
+    # ------------------------------------------------------------------ one attempt, every rank
+    def _run(self, plan: SyncPlan) -> tuple[dict, str | None]:
+        """One attempt on every rank; returns (the controller's metrics, the error every rank saw)."""
+        t0 = time.perf_counter()
+        error = self._shared_error(self._ensure_group(plan) if self.is_source else None)
+        if error is None:
+            error = self._from(0, self._open_session() if self.is_controller else None)
+        stats: list[dict] = []
+        for stage, src in enumerate(self.sources):
+            if error is not None:
+                break
+            report = None
+            if self.pgs.rank == src:
+                report = self._send_stage(stage, plan)
+            elif self.in_first_replica and self.pgs.pp_rank == stage:
+                self._take_part()
+            report = broadcast_object(report, src=src, world_size=self.pgs.world_size)
+            error = report.error
+            stats.append(report.stats or {})
+        if self.is_controller and error is not None and stats:
+            self._close_after_error()
+        if error is None:
+            error = self._from(0, self._finish(plan.version) if self.is_controller else None)
+        checked = {}
+        if error is None and self.check:
+            error, checked = self._check_all()
+        if error is not None:
+            return {}, error
+        return self._metrics(stats, checked, time.perf_counter() - t0), None
+
+    def _shared_error(self, mine: str | None) -> str | None:
+        """The first error of any rank (every rank gets the same answer)."""
+        if self.pgs.world_size == 1:
+            return mine
+        everyone: list = [None] * self.pgs.world_size
+        dist.all_gather_object(everyone, mine)
+        return next((e for e in everyone if e is not None), None)
+
+    def _from(self, src: int, value):
+        return broadcast_object(value, src=src, world_size=self.pgs.world_size)
+
+    def _ensure_group(self, plan: SyncPlan) -> str | None:
+        """A stage source: the group over `plan.urls`, re-created when the plan or a change says so."""
+        try:
+            if self.sender is not None and (plan.reinit or plan.urls != self._urls or not self.sender.initialized):
+                self.close()  # best effort on the engines: a dead one cannot answer
+                self.sender = None
+            if self.sender is None:
+                self.sender = self.sender_factory(list(plan.urls), stage_group_name(self.pgs.pp_rank))
+                self._urls = tuple(plan.urls)
+                self.sender.init_group()
+        except (WeightSyncError, RolloutServerError) as e:
+            return f"stage {self.pgs.pp_rank}: {e}"
+        return None
+
+    def _open_session(self) -> str | None:
+        try:
+            self.sender.begin_update()
+        except WeightSyncError as e:
+            return str(e)
+        return None
+
+    def _send_stage(self, stage: int, plan: SyncPlan) -> StageReport:
+        """This stage's source: send the stage's tensors (the TP peers gather along in `_take_part`)."""
+        weights = self._stage_weights()
+        if self.check:
+            self._expected = {}
+            weights = self.sender.checksums(weights, self._expected)
+        last = stage == len(self.sources) - 1
+        try:
+            stats = self.sender.send(weights, weight_version=str(plan.version) if last else None)
+        except WeightSyncError as e:
+            for _ in weights:  # drain: the TP peers' gathers stay in step
+                pass
+            return StageReport(stage, f"stage {stage}: {e}")
+        return StageReport(stage, None, stats)
+
+    def _stage_weights(self):
+        from megatron_rl.models.hf_weights import iter_hf_weights
+
+        tp_group = self.pgs.tp if self.pgs.tp_size > 1 else None
+        with torch.no_grad():
+            yield from iter_hf_weights(self.model, self.hf_config, tp_group=tp_group)
+
+    def _take_part(self) -> None:
+        """A TP peer of a stage source: iterate the stage's tensors (the gathers are collective)."""
+        for _ in self._stage_weights():
+            pass
+
+    def _close_after_error(self) -> None:
+        self.sender.close_session_after_error()
+
+    def _finish(self, version: int) -> str | None:
+        try:
+            self.sender.finish_update(str(version))
+        except WeightSyncError as e:
+            return str(e)
+        return None
+
+    def _check_all(self) -> tuple[str | None, dict]:
+        """Every source checks its own stage's tensors on every engine; errors and counts shared."""
+        mine: dict = {}
+        error = None
+        if self.is_source:
+            try:
+                mine = self.sender.check_checksums(self._expected)
+            except WeightSyncError as e:
+                error = str(e)
+        error = self._shared_error(error)
+        if self.pgs.world_size > 1:
+            everyone: list = [None] * self.pgs.world_size
+            dist.all_gather_object(everyone, mine)
+        else:
+            everyone = [mine]
+        total: dict = {}
+        for m in everyone:
+            for k, v in (m or {}).items():
+                total[k] = total.get(k, 0.0) + v
+        return error, total
+
+    def _metrics(self, stats: list[dict], checked: dict, elapsed: float) -> dict:
+        if not self.is_controller:
+            return {}
+        s = {k: float(sum(st.get(k, 0.0) for st in stats)) for k in _SUM_KEYS}
+        send_s = s["broadcast_time_s"] + s["load_time_s"] + s["prepare_time_s"]
+        metrics = {
+            "weight_sync/time_s": elapsed,
+            "weight_sync/broadcast_time_s": s["broadcast_time_s"],
+            "weight_sync/bytes": s["bytes"],
+            "weight_sync/gbps": s["bytes"] * 8 / 1e9 / elapsed if elapsed > 0 else 0.0,
+            "weight_sync/gb_per_s": s["bytes"] / 1e9 / elapsed if elapsed > 0 else 0.0,
+            "weight_sync/bucket_prepare_time_s": s["prepare_time_s"],
+            "weight_sync/load_time_s": s["load_time_s"],
+            "weight_sync/control_time_s": max(elapsed - send_s, 0.0),
+            "weight_sync/num_buckets": s["num_buckets"],
+            "weight_sync/num_tensors": s["num_tensors"],
+            **checked,
+        }
+        if self.fleet is not None:
+            metrics["rollout/server_restarts"] = self.fleet.restarts
+            metrics["rollout/servers_up"] = len(self.fleet.up_clients())
+        logger.info("weight sync: %d tensors, %.1f MiB in %d buckets from %d stage(s), %.2f s",
+                    s["num_tensors"], s["bytes"] / 2**20, s["num_buckets"], len(self.sources), elapsed)
+        return metrics
+
+    def close(self) -> None:
+        """Destroy this rank's group (stage sources), stop the sender's threads, close its clients."""
+        if self.sender is not None:
+            self.sender.close()
+            for client in self.sender.clients:
+                client.close()
