@@ -18,7 +18,7 @@ import torch
 import yaml
 
 from megatron_rl.config import Config, config_to_dict, save_config
-from megatron_rl.config.loader import environment_checks
+from megatron_rl.trainer.preflight import run_preflight
 from megatron_rl.errors import RolloutServerError, WeightSyncError
 
 logger = logging.getLogger(__name__)
@@ -306,9 +306,7 @@ def run_training(cfg: Config) -> dict:
     run_dir = Path(cfg.run_dir)
     rank = int(os.environ.get("RANK", "0"))
     setup_logging(run_dir, rank)
-    for desc, check in environment_checks(cfg):
-        skipped = check()
-        logger.info("environment check %s: %s", f"skipped ({skipped})" if skipped else "passed", desc)
+    run_preflight(cfg)
     done = _finished_summary(cfg, run_dir)
     if done is not None:
         logger.info("%s already finished all %d steps; nothing to do (summary: %s). Raise "
@@ -347,6 +345,7 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
     from transformers import AutoTokenizer
 
     from megatron_rl.algorithms.advantages import compute_advantages
+    from megatron_rl.algorithms.options import ADV_ESTIMATOR_SPECS
     from megatron_rl.algorithms.daa import DifficultyTracker, apply_daa
     from megatron_rl.algorithms.dynamic_sampling import collect_groups
     from megatron_rl.checkpoint.save import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -360,7 +359,7 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
     from megatron_rl.parallel.cpu_compat import enable_cpu_compat
     from megatron_rl.parallel.groups import destroy_parallel, initialize_parallel, world_of_one
     from megatron_rl.trainer.batch import build_train_batch
-    from megatron_rl.trainer.policy import LossSettings, PolicyTrainer
+    from megatron_rl.trainer.policy import PolicyTrainer
 
     # installed first: a SIGTERM/SIGUSR1 during start-up (model build, server launch, the step-0
     # eval) is acted on before the first step instead of killing the process
@@ -443,15 +442,7 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
         tp_group=pgs.tp if t.tensor_model_parallel_size > 1 else None, ref_model=ref_model,
         dp_group=pgs.dp_cp if pgs.dp_size * pgs.cp_size > 1 else None,
         pp_group=pgs.pp if pgs.pp_size > 1 else None, max_tokens_per_micro_batch=a.token_budget,
-        loss=LossSettings(
-            policy_loss=a.policy_loss, loss_agg_mode=a.loss_agg_mode,
-            loss_scale_factor=a.loss_scale_factor or (float(cfg.data.max_response_length)
-                                                      if a.loss_agg_mode == "seq-mean-token-sum-norm" else None),
-            clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
-            gspo_clip_low=a.gspo_clip_low, gspo_clip_high=a.gspo_clip_high, cispo_clip_low=a.cispo_clip_low,
-            cispo_clip_high=a.cispo_clip_high, tis_enable=a.tis.enable, tis_clip=a.tis.clip,
-            kl_coef=a.kl_loss_coef if a.use_kl_loss else 0.0, kl_type=a.kl_loss_type, entropy_coeff=a.entropy_coeff,
-        ),
+        actor=a, max_response_length=cfg.data.max_response_length,
     )
 
     dataset = PromptDataset(train_rows, seed=t.seed, shuffle=cfg.data.shuffle) if is_controller else None
@@ -646,7 +637,7 @@ def _run(cfg: Config, run_dir: Path, rank: int, stack: contextlib.ExitStack, t_s
             valid = torch.tensor([not s.failed for s in samples], dtype=torch.bool)
             uids = [s.group_uid for s in samples]
             resp_mask = None
-            if cfg.algorithm.adv_estimator == "reinforce_plus_plus_baseline":
+            if ADV_ESTIMATOR_SPECS.get(cfg.algorithm.adv_estimator).needs_response_mask:
                 width = max(len(s.response_ids) for s in samples)
                 resp_mask = torch.zeros((len(samples), width), dtype=torch.bool)
                 for i, s in enumerate(samples):
