@@ -99,12 +99,11 @@ def _sync(device: str) -> None:
 
 
 def _loss_settings():
-    from megatron_rl.trainer.policy import LossSettings
+    from megatron_rl.config.schema import ActorConfig
 
-    return LossSettings(
-        policy_loss="vanilla", loss_agg_mode="token-mean", loss_scale_factor=None, clip_ratio_low=0.2,
-        clip_ratio_high=0.28, clip_ratio_c=10.0, gspo_clip_low=3e-4, gspo_clip_high=4e-4, cispo_clip_low=None,
-        cispo_clip_high=0.28, tis_enable=False, tis_clip=2.0, kl_coef=0.0, kl_type="k3", entropy_coeff=0.0,
+    return ActorConfig(
+        loss_agg_mode="token-mean", loss_scale_factor=None,
+        clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=10.0, kl_loss_type="k3",
     )
 
 
@@ -141,7 +140,7 @@ def train_throughput(cfg: dict, *, bf16: bool, seqs: int, seq_len: int, micro_ba
     tm = wrap_ddp_and_optimizer(model, tf_config, lr=1e-5, clip_grad=1.0, use_distributed_optimizer=True)
     spec = build_model_spec(cfg)
     trainer = PolicyTrainer(tm.model, tm.optimizer, tm.scheduler, vocab_size=spec.vocab_size,
-                            micro_batch_size=micro_batch, loss=_loss_settings())
+                            micro_batch_size=micro_batch, actor=_loss_settings())
     batch = _synthetic_batch(cfg, seqs, seq_len, prompt_len=seq_len // 4)
     tokens = int(batch.seq_lengths.sum())  # every token goes through forward and backward
     if device == "cuda":

@@ -85,11 +85,12 @@ def worker() -> None:
     import torch.distributed as dist
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    from megatron_rl.config.schema import ActorConfig
     from megatron_rl.models.builder import build_model, wrap_ddp_and_optimizer
     from megatron_rl.models.hf_config import build_model_spec, build_transformer_config
     from megatron_rl.models.hf_weights import load_hf_weights
     from megatron_rl.parallel.groups import destroy_parallel, initialize_parallel
-    from megatron_rl.trainer.policy import LossSettings, PolicyTrainer
+    from megatron_rl.trainer.policy import PolicyTrainer
 
     args = json.loads(os.environ["BENCH_ARGS"])
     tp = int(os.environ["WORLD_SIZE"])
@@ -106,14 +107,13 @@ def worker() -> None:
     vocab = build_model_spec(hf_config, tensor_model_parallel_size=tp).vocab_size
     n_params = sum(p.numel() for p in model.parameters()) * tp  # (replicated norms counted tp times: approx)
     tm = wrap_ddp_and_optimizer(model, tf_config, lr=1e-5, weight_decay=0.0, clip_grad=1.0)
-    loss = LossSettings(
-        policy_loss="vanilla", loss_agg_mode="token-mean", loss_scale_factor=None, clip_ratio_low=0.2,
-        clip_ratio_high=0.28, clip_ratio_c=3.0, gspo_clip_low=3e-4, gspo_clip_high=4e-4, cispo_clip_low=None,
-        cispo_clip_high=0.28, tis_enable=False, tis_clip=2.0, kl_coef=0.0, kl_type="k3", entropy_coeff=0.0,
+    loss = ActorConfig(
+        loss_agg_mode="token-mean", loss_scale_factor=None,
+        clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, kl_loss_type="k3",
     )
     mbs, mini = args["micro_batch_size"], args["mini_batch_sequences"]
     trainer = PolicyTrainer(tm.model, tm.optimizer, tm.scheduler, vocab_size=vocab, micro_batch_size=mbs,
-                            loss=loss, tp_group=g.tp if tp > 1 else None)
+                            actor=loss, tp_group=g.tp if tp > 1 else None)
     batch = _batch(vocab, args["sequences"])
 
     def rl_update() -> tuple[float, float, float]:

@@ -16,13 +16,20 @@ def _train(argv: list[str]) -> int:
         epilog="Overrides: key.sub=value (verl's dotted names are accepted too), e.g. run_dir=runs/x "
         "actor.optim.lr=1e-6 algorithm.daa.enable=true",
     )
-    parser.add_argument("--config", required=True, help="YAML recipe, e.g. examples/tiny/da3po.yaml")
+    parser.add_argument("--config", help="YAML recipe, e.g. examples/tiny/da3po.yaml (required to train)")
     parser.add_argument("--dry-run", action="store_true",
                         help="run the static checks, print the resolved config, list deferred environment checks")
+    parser.add_argument("--list-keys", action="store_true",
+                        help="print every config key with its default and docstring, then exit (= megatron-rl config-keys)")
     parser.add_argument("overrides", nargs="*", help="key.sub=value")
     args = parser.parse_args(argv)
+    if args.list_keys:
+        return _config_keys([])
+    if args.config is None:
+        parser.error("the following arguments are required: --config")
 
-    from megatron_rl.config import config_to_dict, environment_checks, load_config
+    from megatron_rl.config import config_to_dict, load_config
+    from megatron_rl.trainer import preflight
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -32,14 +39,12 @@ def _train(argv: list[str]) -> int:
     if args.dry_run:
         print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), end="")
         print("# static checks: passed")
-        for desc, _ in environment_checks(cfg):
-            print(f"# environment check deferred to launch: {desc}")
+        for check in preflight.CHECKS:
+            print(f"# environment check deferred to launch: {check.description} [{check.name}]")
         return 0
     if cfg.trainer.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ:
-        checks = dict(environment_checks(cfg))  # the layout checks, before any rank starts
-        try:
-            checks["world size divisible by TP*PP*CP"]()
-            checks["mini-batches split evenly over data-parallel ranks"]()
+        try:  # the layout checks, before any rank starts
+            preflight.run_preflight(cfg, ("world_size", "data_parallel_split"))
         except RuntimeError as e:
             print(f"megatron-rl train: config error: {e}", file=sys.stderr)
             return 2
@@ -127,6 +132,29 @@ def _launch_local_ranks(nproc: int, argv: list[str]) -> int:
     if codes[0] not in (0, 75) or not bad:
         return codes[0]
     return bad[0]
+
+
+def _config_keys(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="megatron-rl config-keys",
+        description="Every config key of `megatron-rl train` with its type, default and docstring (verl's name where "
+        "one exists). Keys also accepted under verl's spelling are listed at the end.",
+    )
+    parser.add_argument("prefix", nargs="?", default="", help="only keys starting with this, e.g. actor. or algorithm.daa")
+    args = parser.parse_args(argv)
+    from megatron_rl.config.keys import config_keys, format_keys
+    from megatron_rl.config.loader import VERL_ALIASES
+
+    keys = [k for k in config_keys() if k.key.startswith(args.prefix)]
+    if not keys:
+        print(f"megatron-rl config-keys: no key starts with {args.prefix!r}", file=sys.stderr)
+        return 2
+    print(format_keys(keys))
+    if not args.prefix:
+        print("\nverl spellings (longest match wins; a trailing '.' maps a whole section):")
+        for alias, target in VERL_ALIASES.items():
+            print(f"  {alias} -> {target}")
+    return 0
 
 
 def _rollout_server(argv: list[str]) -> int:
@@ -262,6 +290,7 @@ def _report(argv: list[str]) -> int:
 
 COMMANDS = {
     "train": _train,
+    "config-keys": _config_keys,
     "rollout-server": _rollout_server,
     "convert": _convert,
     "eval": _eval,
@@ -279,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: megatron-rl {%s} ..." % " | ".join(COMMANDS), file=sys.stderr)
         print("  train           RL training from a YAML recipe (--config FILE [key=value ...] [--dry-run])",
               file=sys.stderr)
+        print("  config-keys     every config key with its default and docstring ([PREFIX])", file=sys.stderr)
         print("  rollout-server  the embedded HF-transformers server speaking SGLang's HTTP API", file=sys.stderr)
         print("  convert         to-hf | to-megatron checkpoint conversion", file=sys.stderr)
         print("  eval            benchmark a checkpoint or server (avg@n, pass@k, maj@k, CIs)", file=sys.stderr)

@@ -274,7 +274,8 @@ def check_job(
     Raises:
         JobConfigError: the message names the setting (job variable or config key).
     """
-    from megatron_rl.config import environment_checks, load_config
+    from megatron_rl.config import load_config
+    from megatron_rl.trainer.preflight import get_check
 
     try:
         cfg = load_config(config, list(overrides))
@@ -324,16 +325,14 @@ def check_job(
     saved = os.environ.get("WORLD_SIZE")
     os.environ["WORLD_SIZE"] = str(world)
     try:
-        checks = dict((desc, fn) for desc, fn in environment_checks(cfg))
         # the launch-time checks that hold on the batch host too, each with the job variables behind it
-        for desc, hint in (("world size divisible by TP*PP*CP", "TRAINER_NODES x GPUS_PER_NODE"),
-                           ("mini-batches split evenly over data-parallel ranks", "TRAINER_NODES x GPUS_PER_NODE"),
-                           ("model.path holds a Hugging Face model", "MODEL_PATH / model.path"),
-                           ("data files exist", "data.train_files / data.val_files"),
-                           ("run_dir free of an earlier run's checkpoints when trainer.resume_mode is disable",
-                            "RUN_DIR / run_dir; a requeued job needs trainer.resume_mode=auto")):
+        for name, hint in (("world_size", "TRAINER_NODES x GPUS_PER_NODE"),
+                           ("data_parallel_split", "TRAINER_NODES x GPUS_PER_NODE"),
+                           ("model_files", "MODEL_PATH / model.path"),
+                           ("data_files", "data.train_files / data.val_files"),
+                           ("run_dir", "RUN_DIR / run_dir; a requeued job needs trainer.resume_mode=auto")):
             try:
-                checks[desc]()
+                get_check(name).run(cfg)
             except RuntimeError as e:
                 raise JobConfigError(f"{e} ({hint})") from None
     finally:

@@ -29,6 +29,7 @@ from typing import Callable
 
 import torch
 
+from megatron_rl.algorithms import options
 from megatron_rl.registry import Registry
 
 logger = logging.getLogger(__name__)
@@ -39,9 +40,13 @@ ADV_ESTIMATORS: Registry[AdvantageFn] = Registry("advantage estimator")
 """name -> estimator. Every estimator has the signature
 `fn(rewards, index, num_groups, valid, *, response_mask, grpo_std, norm_adv_by_std_in_grpo, eps)`
 with `rewards: [N] float64` (invalid entries already zeroed), `index: [N] int64` group index,
-`valid: [N] bool`, returning `[N] float64` with 0 on invalid rows and degenerate groups."""
+`valid: [N] bool`, returning `[N] float64` with 0 on invalid rows and degenerate groups.
+Each name's options and facts (`group_relative`, `needs_response_mask`) are its
+`options.ADV_ESTIMATOR_SPECS` entry, importable without torch."""
 
-GROUP_RELATIVE_ESTIMATORS = frozenset({"grpo", "rloo", "reinforce_plus_plus_baseline"})
+GROUP_RELATIVE_ESTIMATORS = frozenset(
+    n for n in options.ADV_ESTIMATOR_SPECS.names() if options.ADV_ESTIMATOR_SPECS.get(n).group_relative
+)
 """Estimators that need at least 2 responses a prompt (`rollout.n >= 2`)."""
 
 _GRPO_STD = ("unbiased", "population")
@@ -49,15 +54,11 @@ _WHITEN_EPS = 1e-8
 
 
 def check_group_size(adv_estimator: str, rollout_n: int) -> None:
-    """Config check: group-relative estimators need `rollout.n >= 2`.
+    """Group-relative estimators need `rollout.n >= 2`: `options.check_group_size`, the one check.
 
-    Raises `ValueError` naming the estimator and `rollout.n` (CASES B02/B11).
+    Raises `ConfigError` (a `ValueError`) naming the estimator and `rollout.n` (CASES B02/B11).
     """
-    if adv_estimator in GROUP_RELATIVE_ESTIMATORS and rollout_n < 2:
-        raise ValueError(
-            f"algorithm.adv_estimator={adv_estimator!r} is group-relative and needs rollout.n >= 2, "
-            f"got rollout.n={rollout_n}"
-        )
+    options.check_group_size(rollout_n=rollout_n, adv_estimator=adv_estimator)
 
 
 def group_ids_to_index(group_uid: torch.Tensor | Sequence[Hashable]) -> tuple[torch.Tensor, int]:
@@ -259,3 +260,8 @@ def compute_advantages(
         eps=eps,
     )
     return adv.to(torch.float32)
+
+
+assert ADV_ESTIMATORS.names() == options.ADV_ESTIMATOR_SPECS.names(), (
+    "every advantage estimator registers its function here and its EstimatorSpec in algorithms/options.py"
+)

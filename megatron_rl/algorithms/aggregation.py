@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from megatron_rl.algorithms.options import LOSS_AGG_MODE_NAMES
 from megatron_rl.registry import Registry
 
 logger = logging.getLogger(__name__)
@@ -110,3 +111,6 @@ def aggregate_loss(
         KeyError: unknown mode. ValueError: shape mismatch, missing C for the norm mode.
     """
     return LOSS_AGG_MODES.get(mode)(token_loss, loss_mask, loss_scale_factor=loss_scale_factor)
+
+
+assert sorted(LOSS_AGG_MODES.names()) == sorted(LOSS_AGG_MODE_NAMES), "register the name in algorithms/options.py too"

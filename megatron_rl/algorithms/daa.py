@@ -38,10 +38,13 @@ from typing import Any
 
 import torch
 
+from megatron_rl.algorithms.options import DAA_DIFFICULTY_MODES, DAA_FACTOR_OPTIONS
+
 logger = logging.getLogger(__name__)
 
-DIFFICULTY_MODES = ("group", "conditional", "history")
-FACTOR_KINDS = ("balanced", "power")
+DIFFICULTY_MODES = DAA_DIFFICULTY_MODES
+FACTOR_KINDS = tuple(DAA_FACTOR_OPTIONS.names())
+"""The registered factors (options: `options.BalancedFactorOptions`, `options.PowerFactorOptions`)."""
 DEFAULT_GRID_SIZE = 3500
 
 

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from megatron_rl.algorithms.options import check_group_size
+
 logger = logging.getLogger(__name__)
 
 ON_EXHAUSTED = ("train_partial", "error")
@@ -33,13 +35,9 @@ class DynamicSamplingExhausted(ValueError):
 
 
 def validate_dynamic_sampling(*, rollout_n: int, enable: bool) -> None:
-    """Config check: filtering on needs `rollout.n >= 2` (with one response a group every std is
-    0 and the batch can never fill, CASES B11). Raises `ValueError`."""
-    if enable and rollout_n < 2:
-        raise ValueError(
-            f"algorithm.filter_groups.enable=true needs rollout.n >= 2 (every group of {rollout_n} "
-            "response(s) has zero std, so no group would ever be kept); raise rollout.n or disable filtering"
-        )
+    """Filtering on needs `rollout.n >= 2` (with one response a group every std is 0 and the batch
+    can never fill, CASES B11): `options.check_group_size`, the one check. Raises `ConfigError`."""
+    check_group_size(rollout_n=rollout_n, filter_groups=enable)
 
 
 def group_keep_mask(

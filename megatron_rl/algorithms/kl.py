@@ -16,9 +16,11 @@ import logging
 
 import torch
 
+from megatron_rl.algorithms.options import KL_TYPE_NAMES
+
 logger = logging.getLogger(__name__)
 
-KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+KL_TYPES = KL_TYPE_NAMES
 _D_CLAMP = 20.0
 _K3_CLAMP = 10.0
 

@@ -9,7 +9,9 @@
   only when `cispo_clip_low` is set, `max(w_t, 1 - eps_low)`.
 
 Every function takes explicit keyword-only options (no `**kwargs`: a misspelt or foreign option
-raises `TypeError`, CASES B08) and returns token losses that are 0 where `loss_mask` is False.
+raises `TypeError`, CASES B08): exactly the fields of its registered options dataclass in
+`options.POLICY_LOSS_OPTIONS` (torch-free, so the config lists and checks them), so a caller passes
+`**options_of(POLICY_LOSS_OPTIONS.get(name), cfg.actor)` and returns token losses that are 0 where `loss_mask` is False.
 Masked positions are replaced by 0 before any arithmetic, so arbitrary values there (inf, NaN,
 huge gaps) produce neither NaN/inf losses nor NaN gradients. Reduction is `aggregation.py`'s job.
 
@@ -25,6 +27,7 @@ from typing import Callable
 
 import torch
 
+from megatron_rl.algorithms import options
 from megatron_rl.registry import Registry
 
 logger = logging.getLogger(__name__)
@@ -54,7 +57,7 @@ class PolicyLossOutput:
 
 PolicyLossFn = Callable[..., PolicyLossOutput]
 POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
-"""name -> loss function; names: vanilla, gspo, cispo."""
+"""name -> loss function; names: vanilla, gspo, cispo. Options: `options.POLICY_LOSS_OPTIONS`."""
 
 
 def _prepare(
@@ -252,3 +255,8 @@ def policy_loss_metrics(out: PolicyLossOutput, loss_mask: torch.Tensor) -> dict[
         "pg_clipfrac_at_low_bound": frac(out.is_clipped & (out.ratio < 1.0)),
         "ppo_kl": (torch.where(mask, out.approx_kl, torch.zeros_like(out.approx_kl)).sum().float() / n).detach(),
     }
+
+
+assert POLICY_LOSSES.names() == options.POLICY_LOSS_OPTIONS.names(), (
+    "every policy loss registers its function here and its options dataclass in algorithms/options.py"
+)

@@ -1,10 +1,9 @@
-"""YAML recipes -> `Config`: dotted overrides, verl aliases, unknown-key errors, cross-section checks."""
+"""YAML recipes -> `Config`: dotted overrides, verl aliases, unknown-key errors (checks: `validate`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import importlib.util
 import logging
 import os
 import typing
@@ -14,6 +13,8 @@ from typing import Any
 import yaml
 
 from megatron_rl.config.schema import SECRET_KEYS, Config
+from megatron_rl.config.validate import validate_config
+from megatron_rl.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ def _set_dotted(tree: dict, key: str, value: Any) -> None:
         if child is None:
             child = node[part] = {}
         if not isinstance(child, dict):
-            raise ValueError(f"override {key}: {part!r} is a value, not a section")
+            raise ConfigError(f"override {key}: {part!r} is a value, not a section")
         node = child
     node[parts[-1]] = value
 
@@ -76,7 +77,7 @@ def _set_aliased(tree: dict, seen: dict[str, tuple[str, Any]], key: str, value: 
     target = resolve_alias(key)
     if target in seen and seen[target][0] != key and seen[target][1] != value:
         first, before = seen[target]
-        raise ValueError(
+        raise ConfigError(
             f"{where}: {first}={before!r} and {key}={value!r} set the same key {target} (verl's name and this "
             f"project's); keep one"
         )
@@ -102,15 +103,15 @@ def parse_override(text: str) -> tuple[str, Any]:
         ValueError: no `=` or an empty key.
     """
     if "=" not in text:
-        raise ValueError(f"override {text!r}: expected key.sub=value")
+        raise ConfigError(f"override {text!r}: expected key.sub=value")
     key, raw = text.split("=", 1)
     key = key.strip()
     if not key:
-        raise ValueError(f"override {text!r}: empty key")
+        raise ConfigError(f"override {text!r}: empty key")
     try:
         value = yaml.safe_load(raw) if raw.strip() != "" else ""
     except yaml.YAMLError as e:
-        raise ValueError(f"override {text!r}: the value is not valid YAML ({str(e).splitlines()[0]})") from None
+        raise ConfigError(f"override {text!r}: the value is not valid YAML ({str(e).splitlines()[0]})") from None
     return key, value
 
 
@@ -143,14 +144,14 @@ def _build(cls: type, tree: dict, path: str) -> Any:
         if key not in fields:
             near = difflib.get_close_matches(key, list(fields), n=1)
             hint = f"; did you mean '{path}{near[0]}'?" if near else ""
-            raise ValueError(
+            raise ConfigError(
                 f"unknown config key {full!r}{hint} (valid keys in {path.rstrip('.') or 'the top level'}: "
                 f"{', '.join(sorted(fields))})"
             )
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             if not isinstance(value, dict):
-                raise ValueError(f"config key {full!r} is a section; got {value!r}")
+                raise ConfigError(f"config key {full!r} is a section; got {value!r}")
             kwargs[key] = _build(tp, value, full + ".")
             continue
         wants_int = tp is int or int in typing.get_args(tp)
@@ -162,7 +163,7 @@ def _build(cls: type, tree: dict, path: str) -> Any:
             except ValueError:
                 pass
         if not _type_matches(tp, value):
-            raise ValueError(f"config key {full!r}: {value!r} is not {_type_words(tp)}")
+            raise ConfigError(f"config key {full!r}: {value!r} is not {_type_words(tp)}")
         kwargs[key] = value
     return cls(**kwargs)
 
@@ -190,8 +191,8 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
 
     Raises:
         FileNotFoundError: the recipe does not exist.
-        ValueError: an unknown key (with the nearest valid one), a wrong type, a value out of its
-            allowed set, or a cross-section inconsistency (see `validate_config`).
+        ConfigError (a ValueError): an unknown key (with the nearest valid one), a wrong type, a
+            value out of its allowed set, or a cross-section inconsistency (see `validate_config`).
     """
     tree: dict = {}
     base = Path.cwd()
@@ -204,11 +205,11 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-            raise ValueError(f"{p}:{where}: not valid YAML: {getattr(e, 'problem', None) or e}") from None
+            raise ConfigError(f"{p}:{where}: not valid YAML: {getattr(e, 'problem', None) or e}") from None
         except UnicodeDecodeError as e:
-            raise ValueError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+            raise ConfigError(f"{p}: not UTF-8 text ({e.reason} at byte {e.start})") from None
         if not isinstance(loaded, dict):
-            raise ValueError(f"{p}: expected a mapping at the top level, got {type(loaded).__name__}")
+            raise ConfigError(f"{p}: expected a mapping at the top level, got {type(loaded).__name__}")
         base = p.resolve().parent
         seen: dict[str, tuple[str, Any]] = {}
         for key, value in _flatten(loaded).items():
@@ -246,261 +247,6 @@ def _resolve_paths(tree: dict, base: Path) -> None:
         sec, name = key.split(".")
         if isinstance(tree.get(sec), dict) and isinstance(tree[sec].get(name), list):
             tree[sec][name] = [fix(p) for p in tree[sec][name]]
-
-
-def _check_finite(obj: Any, prefix: str = "") -> None:
-    """Every float in the config is finite (YAML reads `.nan` and `.inf`)."""
-    import dataclasses
-    import math
-
-    for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        key = f"{prefix}{f.name}"
-        if dataclasses.is_dataclass(value):
-            _check_finite(value, key + ".")
-        elif isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"{key}: {value!r} must be a finite number")
-
-
-def validate_config(cfg: Config) -> None:
-    """Cross-section static checks (DESIGN.md "Configuration checks"); raise ValueError naming keys."""
-    _check_finite(cfg)
-    d, a, alg, r = cfg.data, cfg.actor, cfg.algorithm, cfg.rollout
-    if not str(cfg.run_dir).strip():
-        raise ValueError("run_dir: must not be empty (the folder for checkpoints, metrics and logs)")
-    for key in ("path", "tokenizer_path", "hf_config_path"):
-        if getattr(cfg.model, key) == "":
-            raise ValueError(f"model.{key}: must not be empty (unset it instead)")
-    from megatron_rl.data.dataset import DATASET_ADAPTERS as ADAPTERS
-    from megatron_rl.rewards.registry import REWARD_FNS
-
-    if cfg.reward.reward_fn not in REWARD_FNS:
-        raise ValueError(f"reward.reward_fn: {cfg.reward.reward_fn!r} is not registered; choose one of "
-                         f"{', '.join(map(repr, REWARD_FNS.names()))}")
-    for key in ("train_adapter", "val_adapter"):
-        if getattr(d, key) not in ADAPTERS:
-            raise ValueError(f"data.{key}: {getattr(d, key)!r} is not a dataset adapter; choose one of "
-                             f"{', '.join(map(repr, ADAPTERS.names()))}")
-    if alg.filter_groups.enable and r.temperature == 0:
-        raise ValueError(
-            "algorithm.filter_groups.enable with rollout.temperature=0: greedy decoding gives n identical "
-            "responses, every group is filtered out and the batch can never fill"
-        )
-    gen = d.gen_batch_size or d.train_batch_size
-    if gen < d.train_batch_size and not alg.filter_groups.enable:
-        raise ValueError(
-            f"data.gen_batch_size ({gen}) < data.train_batch_size ({d.train_batch_size}) without dynamic sampling"
-        )
-    if d.train_batch_size % a.ppo_mini_batch_size:
-        raise ValueError(
-            f"data.train_batch_size ({d.train_batch_size}) must be a multiple of actor.ppo_mini_batch_size "
-            f"({a.ppo_mini_batch_size})"
-        )
-    if alg.adv_estimator in ("grpo", "rloo") and r.n < 2:
-        raise ValueError(f"rollout.n ({r.n}) must be >= 2 for the group-relative estimator {alg.adv_estimator!r}")
-    if alg.filter_groups.enable and r.n < 2:
-        raise ValueError(
-            f"algorithm.filter_groups.enable with rollout.n={r.n}: every group has zero std, the batch can never fill"
-        )
-    ob = cfg.reward.overlong_buffer
-    if ob.enable and ob.len >= d.max_response_length:
-        raise ValueError(
-            f"reward.overlong_buffer.len ({ob.len}) must be < data.max_response_length ({d.max_response_length})"
-        )
-    if alg.daa.enable and alg.adv_estimator not in ("grpo", "rloo"):
-        raise ValueError(
-            f"algorithm.daa.enable needs a group-relative estimator (grpo, rloo); got {alg.adv_estimator!r}"
-        )
-    if a.policy_loss == "gspo" and a.loss_agg_mode != "seq-mean-token-mean":
-        raise ValueError(
-            f"actor.policy_loss gspo is defined with actor.loss_agg_mode seq-mean-token-mean; got {a.loss_agg_mode!r}"
-        )
-    if a.use_kl_loss and a.kl_loss_coef <= 0:
-        raise ValueError("actor.use_kl_loss: true needs actor.kl_loss_coef > 0")
-    if cfg.eval.n < 1:
-        raise ValueError("eval.n must be >= 1")
-    longest = d.max_prompt_length + d.max_response_length
-    if cfg.trainer.sequence_parallel:  # rows are padded to a multiple of TP
-        longest = -(-longest // cfg.trainer.tensor_model_parallel_size) * cfg.trainer.tensor_model_parallel_size
-    if a.token_budget is not None and a.token_budget < longest:
-        raise ValueError(
-            f"actor.max_tokens_per_micro_batch ({a.token_budget}) is smaller than one sequence of up to "
-            f"data.max_prompt_length + data.max_response_length = {longest} tokens (padded); raise it to at least that"
-        )
-    t = cfg.trainer
-    if t.context_parallel_size > 1:
-        raise ValueError(
-            f"trainer.context_parallel_size={t.context_parallel_size}: this trainer does not implement context "
-            "parallelism: it does not split each sequence over the context-parallel ranks (megatron-core's "
-            "get_batch_on_this_cp_rank chunks) nor gather the per-token log-probs back, and megatron-core runs it only "
-            "in Transformer Engine's attention (TEDotProductAttention; its local attention asserts "
-            "context_parallel_size == 1). Set trainer.context_parallel_size=1 and use tensor/pipeline/data parallelism"
-        )
-    if t.sequence_parallel and t.tensor_model_parallel_size == 1:
-        raise ValueError("trainer.sequence_parallel needs trainer.tensor_model_parallel_size > 1")
-    if cfg.model.path is None and cfg.model.hf_config_path is None:
-        raise ValueError("model.path (a Hugging Face model folder) is required")
-    _check_model_layout(cfg)
-
-
-def _check_model_layout(cfg: Config) -> None:
-    """Static checks of the parallel layout against the model's config.json, when it is readable."""
-    import json
-
-    cands = [Path(cfg.model.path) / "config.json"] if cfg.model.path else []
-    if cfg.model.hf_config_path:
-        cands.append(Path(cfg.model.hf_config_path))
-    src = next((c for c in cands if c.is_file()), None)
-    if src is None:
-        return
-    try:
-        hf = json.loads(src.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{src}: not valid JSON ({e})") from None
-    t = cfg.trainer
-    tp, pp = t.tensor_model_parallel_size, t.pipeline_model_parallel_size
-    heads = hf.get("num_attention_heads")
-    kv = hf.get("num_key_value_heads", heads)
-    layers = hf.get("num_hidden_layers")
-    if heads and heads % tp:
-        raise ValueError(f"trainer.tensor_model_parallel_size {tp} must divide num_attention_heads {heads} ({src})")
-    if kv and kv % tp:
-        raise ValueError(f"trainer.tensor_model_parallel_size {tp} must divide num_key_value_heads {kv} ({src})")
-    ffn = hf.get("intermediate_size")
-    if ffn and ffn % tp:
-        raise ValueError(f"trainer.tensor_model_parallel_size {tp} must divide intermediate_size {ffn} ({src})")
-    if layers and layers % pp:
-        raise ValueError(f"trainer.pipeline_model_parallel_size {pp} must divide num_hidden_layers {layers} ({src})")
-    max_pos = hf.get("max_position_embeddings")
-    d = cfg.data
-    longest = d.max_prompt_length + max(d.max_response_length, cfg.eval.max_response_length or 0)
-    if max_pos and longest > max_pos:
-        raise ValueError(
-            f"data.max_prompt_length + data.max_response_length (or eval.max_response_length) = {longest} exceeds "
-            f"the model's max_position_embeddings {max_pos} ({src})"
-        )
-
-
-def environment_checks(cfg: Config) -> list[tuple[str, callable]]:
-    """Checks that need the launch environment (DESIGN.md); `--dry-run` lists them as deferred.
-
-    Returns (description, check) pairs; each check raises RuntimeError with a clear message, and
-    returns None when it passed or a "not applicable: ..." reason when it did not apply.
-    """
-    t = cfg.trainer
-
-    def world_size() -> None:
-        world = int(os.environ.get("WORLD_SIZE", t.nproc_per_node))
-        mp = t.tensor_model_parallel_size * t.pipeline_model_parallel_size * t.context_parallel_size
-        if world % mp:
-            source = ("WORLD_SIZE from the launcher (torchrun / srun)" if "WORLD_SIZE" in os.environ
-                      else "trainer.nproc_per_node")
-            raise RuntimeError(
-                f"world size {world} ({source}) is not divisible by trainer.tensor_model_parallel_size x "
-                f"trainer.pipeline_model_parallel_size x trainer.context_parallel_size = "
-                f"{t.tensor_model_parallel_size} x {t.pipeline_model_parallel_size} x {t.context_parallel_size} = {mp}: "
-                f"set {'the number of processes' if 'WORLD_SIZE' in os.environ else 'trainer.nproc_per_node'} "
-                f"to a multiple of {mp}"
-            )
-
-    def data_parallel_split() -> None:
-        world = int(os.environ.get("WORLD_SIZE", t.nproc_per_node))
-        mp = t.tensor_model_parallel_size * t.pipeline_model_parallel_size * t.context_parallel_size
-        if world % mp:
-            return  # reported by world_size()
-        dp = world // mp
-        mini = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
-        if mini % dp:
-            raise RuntimeError(
-                f"actor.ppo_mini_batch_size x rollout.n = {mini} sequences per mini-batch do not split over "
-                f"{dp} data-parallel ranks (world {world} / TP*PP*CP {mp})"
-            )
-
-    def sequence_parallel() -> str | None:
-        if not t.sequence_parallel:
-            return "not applicable: trainer.sequence_parallel is off"
-        from megatron_rl.models.builder import transformer_engine_usable
-
-        if not transformer_engine_usable():
-            raise RuntimeError(
-                "trainer.sequence_parallel needs Transformer Engine: megatron-core's local layer spec (used "
-                "without TE, e.g. on CPU) has no sequence-parallel LayerNorm/RMSNorm. Set "
-                "trainer.sequence_parallel=false or install Transformer Engine"
-            )
-
-    def transformer_impl() -> str | None:
-        if t.transformer_impl != "transformer_engine":
-            return f"not applicable: trainer.transformer_impl is {t.transformer_impl}"
-        from megatron_rl.models.builder import transformer_engine_usable
-
-        if not transformer_engine_usable():
-            raise RuntimeError(
-                "trainer.transformer_impl=transformer_engine needs Transformer Engine and a CUDA GPU; "
-                "use trainer.transformer_impl=auto (local layers without TE) or install Transformer Engine"
-            )
-
-    def fp8() -> str | None:
-        if t.fp8 is None:
-            return "not applicable: trainer.fp8 is unset"
-        if importlib.util.find_spec("transformer_engine") is None:
-            raise RuntimeError("trainer.fp8 is set but Transformer Engine is not installed "
-                               "(pip install transformer-engine[pytorch]; FP8 GEMMs exist only in TE)")
-        import torch
-
-        if not torch.cuda.is_available():
-            raise RuntimeError("trainer.fp8 needs a CUDA GPU (Hopper or newer); none is available")
-        major, _ = torch.cuda.get_device_capability()
-        if major < 9:
-            raise RuntimeError(f"trainer.fp8 needs a Hopper (sm90) or newer GPU; found compute capability {major}.x")
-        if t.fp8_recipe == "mxfp8" and major < 10:
-            raise RuntimeError(f"trainer.fp8_recipe=mxfp8 needs a Blackwell (sm100) or newer GPU (Transformer Engine's "
-                               f"MXFP8); found compute capability {major}.x: use fp8_recipe=delayed, tensorwise or "
-                               "blockwise on Hopper")
-
-    def model_files() -> None:
-        p = cfg.model.path
-        if p is None or not (Path(p) / "config.json").is_file():
-            raise RuntimeError(f"model.path {p!r} has no config.json")
-
-    def servers() -> str | None:
-        if not cfg.rollout.server_urls:
-            return "not applicable: rollout.server_urls is empty, embedded servers are started and health-checked at launch"
-        if cfg.rollout.server_urls:
-            from megatron_rl.rollout.client import RolloutClient
-
-            for url in cfg.rollout.server_urls:
-                RolloutClient(url, api_key=cfg.rollout.api_key, timeout_s=10).health()
-
-    def run_dir_state() -> None:
-        from megatron_rl.checkpoint.save import latest_checkpoint
-
-        if t.resume_mode != "disable":
-            return "not applicable: trainer.resume_mode is auto (a run dir with checkpoints is resumed)"
-        if latest_checkpoint(cfg.run_dir) is not None:
-            raise RuntimeError(
-                f"run_dir {cfg.run_dir} holds checkpoints of an earlier run (latest step "
-                f"{latest_checkpoint(cfg.run_dir)}) and trainer.resume_mode is disable: use another run_dir, "
-                f"delete {cfg.run_dir}/checkpoints, or set trainer.resume_mode=auto to continue it"
-            )
-
-    def data_files() -> None:
-        if not cfg.data.train_files:
-            raise RuntimeError("data.train_files: at least one file of training prompts is required")
-        for f in list(cfg.data.train_files) + list(cfg.data.val_files):
-            if not Path(f).is_file():
-                raise RuntimeError(f"data file not found: {f}")
-
-    return [
-        ("world size divisible by TP*PP*CP", world_size),
-        ("run_dir free of an earlier run's checkpoints when trainer.resume_mode is disable", run_dir_state),
-        ("mini-batches split evenly over data-parallel ranks", data_parallel_split),
-        ("data files exist", data_files),
-        ("Transformer Engine and CUDA for trainer.transformer_impl=transformer_engine", transformer_impl),
-        ("Transformer Engine and a Hopper GPU for FP8", fp8),
-        ("Transformer Engine for sequence parallelism", sequence_parallel),
-        ("model.path holds a Hugging Face model", model_files),
-        ("rollout servers reachable (rollout.server_urls)", servers),
-    ]
 
 
 def config_to_dict(cfg: Config, *, redact: bool = True) -> dict:

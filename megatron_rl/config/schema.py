@@ -2,32 +2,39 @@
 
 Leaf names follow verl's DAPO recipe (`actor.clip_ratio_high`, `algorithm.filter_groups.*`,
 `reward.overlong_buffer.*`) and Megatron's parallelism names (`tensor_model_parallel_size`).
-Cross-section checks live in `megatron_rl.config.validate`. Imports only the standard library.
+Every leaf has a docstring (meaning, unit, default, verl's name where one exists); `megatron-rl
+config-keys` prints them. The options of each registered policy loss, advantage estimator and DAA
+factor are not declared here: `ActorConfig`, `AlgorithmConfig` and `DAAConfig` inherit the options
+dataclasses registered in `megatron_rl.algorithms.options`, and the allowed names come from those
+registries. Cross-section checks live in `megatron_rl.config.validate`. Imports only the standard
+library and the registries' names (no torch).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Optional
 
+from megatron_rl.algorithms.options import (
+    ADV_ESTIMATOR_SPECS,
+    DAA_DIFFICULTY_MODES,
+    DAA_FACTOR_OPTIONS,
+    KL_TYPE_NAMES,
+    LOSS_AGG_MODE_NAMES,
+    POLICY_LOSS_OPTIONS,
+    check_choice,
+    check_positive,
+    option_bases,
+)
+from megatron_rl.errors import ConfigError
+
 
 def _choice(section: str, name: str, value, allowed) -> None:
-    if value not in allowed:
-        raise ValueError(
-            f"{section}.{name}: {value!r} is not allowed; choose one of "
-            f"{', '.join('null' if a is None else repr(a) for a in allowed)}"
-        )
+    check_choice(f"{section}.{name}", value, allowed)
 
 
 def _positive(section: str, name: str, value, *, allow_zero: bool = False) -> None:
-    if value is None:
-        return
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"{section}.{name}: {value!r} must be a finite number")
-    if (value < 0) if allow_zero else (value <= 0):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{section}.{name}: {value!r} must be {bound}")
+    check_positive(f"{section}.{name}", value, allow_zero=allow_zero)
 
 
 @dataclass(kw_only=True)
@@ -111,9 +118,11 @@ class RolloutConfig:
     n: int = 8
     """Responses per prompt (group size G)."""
     temperature: float = 1.0
+    """Sampling temperature of the rollout, >= 0 (0 = greedy). Default 1.0. verl: `rollout.temperature`."""
     top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]; 1.0 (default) = off. verl: `rollout.top_p`."""
     top_k: int = -1
-    """-1 = whole vocabulary."""
+    """Sample among the k most likely tokens; -1 (default) = whole vocabulary. verl: `rollout.top_k`."""
     deterministic: bool = True
     """Derive each response's `sampling_seed` from (seed, step, prompt, response) so a run repeats."""
     enable_deterministic_inference: bool = False
@@ -141,9 +150,9 @@ class RolloutConfig:
         _positive("rollout", "num_servers", self.num_servers)
         _positive("rollout", "temperature", self.temperature, allow_zero=True)
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"rollout.top_p: {self.top_p!r} must be in (0, 1]")
+            raise ConfigError(f"rollout.top_p: {self.top_p!r} must be in (0, 1]")
         if self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"rollout.top_k: {self.top_k!r} must be -1 (off) or >= 1")
+            raise ConfigError(f"rollout.top_k: {self.top_k!r} must be -1 (off) or >= 1")
         _positive("rollout", "timeout_s", self.timeout_s)
         _positive("rollout", "startup_timeout_s", self.startup_timeout_s)
         _positive("rollout", "max_concurrency", self.max_concurrency)
@@ -152,15 +161,15 @@ class RolloutConfig:
         _positive("rollout", "over_sampling_batch_size", self.over_sampling_batch_size, allow_zero=True)
         _positive("rollout", "max_server_restarts", self.max_server_restarts, allow_zero=True)
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
-            raise ValueError(f"rollout.mem_fraction_static: {self.mem_fraction_static!r} must be in (0, 1) or null")
+            raise ConfigError(f"rollout.mem_fraction_static: {self.mem_fraction_static!r} must be in (0, 1) or null")
         if self.server_ports:
             per = 1 if self.backend == "embedded" else 2
             if len(self.server_ports) != per * self.num_servers:
-                raise ValueError(f"rollout.server_ports: {len(self.server_ports)} ports given, rollout.backend="
+                raise ConfigError(f"rollout.server_ports: {len(self.server_ports)} ports given, rollout.backend="
                                  f"{self.backend} with num_servers={self.num_servers} needs {per * self.num_servers}")
             dup = sorted({p for p in self.server_ports if self.server_ports.count(p) > 1})
             if dup:
-                raise ValueError(f"rollout.server_ports: {dup} appear more than once; every port must be distinct")
+                raise ConfigError(f"rollout.server_ports: {dup} appear more than once; every port must be distinct")
 
 
 @dataclass(kw_only=True)
@@ -170,12 +179,18 @@ class OptimConfig:
     lr_warmup_steps: int = 0
     """Linear warm-up, in optimizer updates of RL steps (DAPO: 20 RL steps)."""
     lr_decay_style: str = "constant"
+    """Learning-rate schedule after warm-up: constant (default) | linear | cosine, decaying over all
+    optimizer updates of the run (megatron-core's OptimizerParamScheduler)."""
     weight_decay: float = 0.1
+    """AdamW decoupled weight decay. Default 0.1. verl: `actor.optim.weight_decay`."""
     clip_grad: float = 1.0
-    """Global gradient-norm clip; 0 = off."""
+    """Global gradient-norm clip; 0 = off. Default 1.0. verl: `actor.optim.clip_grad` / `actor.grad_clip`."""
     adam_beta1: float = 0.9
+    """Adam beta1. Default 0.9."""
     adam_beta2: float = 0.999
+    """Adam beta2. Default 0.999."""
     adam_eps: float = 1e-8
+    """Adam epsilon. Default 1e-8."""
 
     def __post_init__(self) -> None:
         _positive("actor.optim", "lr", self.lr)
@@ -189,13 +204,18 @@ class TISConfig:
     enable: bool = False
     """Truncated importance sampling: weight min(exp(old_logprobs - rollout_logprobs), clip)."""
     clip: float = 2.0
+    """Cap of the truncated importance weight; > 0. Default 2.0. verl: `actor.tis_imp_ratio_cap`."""
 
     def __post_init__(self) -> None:
         _positive("actor.tis", "clip", self.clip)
 
 
 @dataclass(kw_only=True)
-class ActorConfig:
+class ActorConfig(*option_bases(*(POLICY_LOSS_OPTIONS.get(n) for n in POLICY_LOSS_OPTIONS.names()))):
+    """The policy update. Besides the fields below it carries the options of every registered
+    policy loss (`clip_ratio_*` of vanilla, `gspo_clip_*`, `cispo_clip_*`; see
+    `megatron_rl.algorithms.options`); only those of `policy_loss` are used."""
+
     ppo_mini_batch_size: int = 8
     """Prompts per optimizer update (x rollout.n sequences), as in verl."""
     ppo_micro_batch_size: int = 16
@@ -211,50 +231,44 @@ class ActorConfig:
     """verl's switch for the token budget: None = on exactly when `max_tokens_per_micro_batch` is
     set; false = the budget is ignored (fixed micro-batches); true requires the budget."""
     ppo_epochs: int = 1
+    """Passes over the step's mini-batches (each pass one optimizer update per mini-batch); >= 1.
+    Default 1. verl: `actor.ppo_epochs`."""
     policy_loss: str = "vanilla"
-    """Registry name: vanilla | gspo | cispo."""
+    """Registered policy loss (`megatron_rl.algorithms.options.POLICY_LOSS_OPTIONS`): vanilla
+    (PPO clip, default) | gspo | cispo. verl: `actor.policy_loss.loss_mode`."""
     loss_agg_mode: str = "token-mean"
-    """token-mean | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm."""
+    """token-mean (default) | seq-mean-token-mean | seq-mean-token-sum | seq-mean-token-sum-norm
+    (ALGORITHMS.md section 6). verl: `actor.loss_agg_mode`."""
     loss_scale_factor: Optional[float] = None
-    """C of seq-mean-token-sum-norm; default data.max_response_length."""
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    """DAPO clip-higher uses 0.28."""
-    clip_ratio_c: float = 3.0
-    """Dual-clip bound for negative advantages; must be > 1."""
-    gspo_clip_low: float = 3e-4
-    gspo_clip_high: float = 4e-4
-    cispo_clip_low: Optional[float] = None
-    cispo_clip_high: float = 0.28
+    """C of seq-mean-token-sum-norm, tokens; None (default) = data.max_response_length."""
     mask_truncated: bool = False
-    """Overlong filtering: responses without EOS get loss mask 0."""
+    """Overlong filtering: responses without EOS get loss mask 0. Default false."""
     use_kl_loss: bool = False
+    """Add `kl_loss_coef` x KL(policy || reference) to the loss (builds a frozen reference model).
+    Default false. verl: `actor.use_kl_loss`."""
     kl_loss_coef: float = 0.0
+    """Weight of the KL loss, >= 0; must be > 0 with use_kl_loss. Default 0. verl: `actor.kl_loss_coef`."""
     kl_loss_type: str = "low_var_kl"
+    """KL estimator: k1 | k2 | k3 | low_var_kl (= k3, default). verl: `actor.kl_loss_type`."""
     entropy_coeff: float = 0.0
+    """Weight of the entropy bonus subtracted from the loss; 0 (default) = off. verl: `actor.entropy_coeff`."""
     tis: TISConfig = field(default_factory=TISConfig)
+    """Truncated importance sampling against the rollout's log-probs."""
     optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and learning-rate schedule."""
 
     def __post_init__(self) -> None:
+        super().__post_init__()  # the registered policy losses' option checks
         _positive("actor", "ppo_mini_batch_size", self.ppo_mini_batch_size)
         _positive("actor", "ppo_micro_batch_size", self.ppo_micro_batch_size)
         _positive("actor", "ppo_epochs", self.ppo_epochs)
         _positive("actor", "max_tokens_per_micro_batch", self.max_tokens_per_micro_batch)
         if self.use_dynamic_bsz and self.max_tokens_per_micro_batch is None:
-            raise ValueError("actor.use_dynamic_bsz: true needs actor.max_tokens_per_micro_batch (verl: "
+            raise ConfigError("actor.use_dynamic_bsz: true needs actor.max_tokens_per_micro_batch (verl: "
                              "ppo_max_token_len_per_gpu), the token budget of a micro-batch")
-        _choice("actor", "policy_loss", self.policy_loss, ("vanilla", "gspo", "cispo"))
-        _choice(
-            "actor",
-            "loss_agg_mode",
-            self.loss_agg_mode,
-            ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
-        )
-        _choice("actor", "kl_loss_type", self.kl_loss_type, ("k1", "k2", "k3", "low_var_kl"))
-        if self.clip_ratio_c <= 1.0:
-            raise ValueError(f"actor.clip_ratio_c: {self.clip_ratio_c!r} must be > 1 (dual-clip)")
-        for name in ("clip_ratio_low", "clip_ratio_high", "gspo_clip_low", "gspo_clip_high", "cispo_clip_high"):
-            _positive("actor", name, getattr(self, name))
+        _choice("actor", "policy_loss", self.policy_loss, POLICY_LOSS_OPTIONS.names())
+        _choice("actor", "loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODE_NAMES)
+        _choice("actor", "kl_loss_type", self.kl_loss_type, KL_TYPE_NAMES)
         _positive("actor", "loss_scale_factor", self.loss_scale_factor)
         _positive("actor", "kl_loss_coef", self.kl_loss_coef, allow_zero=True)
 
@@ -281,55 +295,59 @@ class FilterGroupsConfig:
 
 
 @dataclass(kw_only=True)
-class DAAConfig:
+class DAAConfig(*option_bases(*(DAA_FACTOR_OPTIONS.get(n) for n in DAA_FACTOR_OPTIONS.names()))):
+    """DA3PO's Direct Advantage Amplification. Carries the options of every registered DAA factor
+    (`hard_threshold`, `max_factor`, `gamma`; see `megatron_rl.algorithms.options`)."""
+
     enable: bool = False
-    """DA3PO: amplify correct responses' advantages on hard prompts (ALGORITHMS.md section 4)."""
+    """DA3PO: amplify correct responses' advantages on hard prompts (ALGORITHMS.md section 4). Default false."""
     difficulty: str = "history"
-    """group | conditional | history."""
+    """How a group's success rate q_hat is estimated: group (k/G) | conditional (posterior given the
+    group was kept) | history (conditional and every earlier group of the prompt; default)."""
     factor: str = "balanced"
-    """balanced (beta(q)) | power ((hard_threshold / q) ** gamma)."""
-    hard_threshold: float = 0.5
-    max_factor: float = 8.0
-    gamma: float = 1.0
+    """Registered DAA factor: balanced (beta(q), default) | power ((hard_threshold / q) ** gamma)."""
     prior_a: float = 0.5
+    """a0 of the Beta(a0, b0) prior of the success rate; > 0. Default 0.5 (Jeffreys)."""
     prior_b: float = 0.5
+    """b0 of the Beta(a0, b0) prior of the success rate; > 0. Default 0.5 (Jeffreys)."""
 
     def __post_init__(self) -> None:
-        _choice("algorithm.daa", "difficulty", self.difficulty, ("group", "conditional", "history"))
-        _choice("algorithm.daa", "factor", self.factor, ("balanced", "power"))
-        if not 0.0 < self.hard_threshold <= 1.0:
-            raise ValueError(f"algorithm.daa.hard_threshold: {self.hard_threshold!r} must be in (0, 1]")
-        if self.max_factor < 1.0:
-            raise ValueError(f"algorithm.daa.max_factor: {self.max_factor!r} must be >= 1")
-        _positive("algorithm.daa", "gamma", self.gamma)
+        _choice("algorithm.daa", "difficulty", self.difficulty, DAA_DIFFICULTY_MODES)
+        _choice("algorithm.daa", "factor", self.factor, DAA_FACTOR_OPTIONS.names())
+        super().__post_init__()  # the registered factors' option checks
         _positive("algorithm.daa", "prior_a", self.prior_a)
         _positive("algorithm.daa", "prior_b", self.prior_b)
 
 
 @dataclass(kw_only=True)
-class AlgorithmConfig:
+class AlgorithmConfig(*option_bases(*(ADV_ESTIMATOR_SPECS.get(n).options for n in ADV_ESTIMATOR_SPECS.names()))):
+    """Advantages, dynamic sampling and DAA. Carries the options of every registered advantage
+    estimator (`grpo_std`, `norm_adv_by_std_in_grpo`; see `megatron_rl.algorithms.options`)."""
+
     adv_estimator: str = "grpo"
-    """grpo | rloo | reinforce_plus_plus_baseline."""
-    grpo_std: str = "unbiased"
-    """unbiased (Bessel, as verl) | population."""
-    norm_adv_by_std_in_grpo: bool = True
-    """False + loss_agg_mode seq-mean-token-sum-norm = Dr. GRPO."""
+    """Registered advantage estimator: grpo (default) | rloo | reinforce_plus_plus_baseline.
+    verl: `algorithm.adv_estimator`."""
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    """DAPO dynamic sampling."""
     daa: DAAConfig = field(default_factory=DAAConfig)
+    """DA3PO's advantage amplification."""
 
     def __post_init__(self) -> None:
-        _choice(
-            "algorithm", "adv_estimator", self.adv_estimator, ("grpo", "rloo", "reinforce_plus_plus_baseline")
-        )
-        _choice("algorithm", "grpo_std", self.grpo_std, ("unbiased", "population"))
+        _choice("algorithm", "adv_estimator", self.adv_estimator, ADV_ESTIMATOR_SPECS.names())
+        super().__post_init__()  # the registered estimators' option checks
 
 
 @dataclass(kw_only=True)
 class OverlongBufferConfig:
     enable: bool = False
+    """DAPO's overlong reward shaping: a linear penalty for responses ending in the last `len` tokens
+    before data.max_response_length. Default false. verl: `reward_model.overlong_buffer.enable`."""
     len: int = 16
-    """Tokens of the soft-punishment buffer (L_buf); must be < data.max_response_length."""
+    """Tokens of the soft-punishment buffer (L_buf); must be < data.max_response_length. Default 16.
+    verl: `reward_model.overlong_buffer.len`."""
     penalty_factor: float = 1.0
+    """Penalty at the full length (reward units), >= 0; it grows linearly over the buffer. Default 1.0.
+    verl: `reward_model.overlong_buffer.penalty_factor`."""
 
     def __post_init__(self) -> None:
         _positive("reward.overlong_buffer", "len", self.len)
@@ -341,8 +359,11 @@ class RewardConfig:
     reward_fn: str = "dapo_math"
     """Registry name of the verifier."""
     correct_score: float = 1.0
+    """Score of a response the verifier accepts (acc true), before shaping. Default 1.0."""
     incorrect_score: float = -1.0
+    """Score of a response the verifier rejects (acc false), before shaping. Default -1.0."""
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    """DAPO's overlong reward shaping."""
     num_workers: int = 2
     """Verifier processes."""
     timeout_s: float = 10.0
@@ -358,12 +379,15 @@ class EvalConfig:
     before_train: bool = True
     """Evaluate the base policy before the first step (summary.json eval_before)."""
     after_train: bool = True
+    """Evaluate the trained policy after the last step (summary.json eval_after). Default true."""
     interval: int = 0
     """Evaluate every this many steps; 0 = only before/after."""
     n: int = 8
     """Samples a problem for avg@n / pass@n."""
     temperature: float = 1.0
+    """Sampling temperature of the eval, >= 0. Default 1.0."""
     top_p: float = 1.0
+    """Nucleus sampling mass of the eval in (0, 1]. Default 1.0."""
     seed: int = 1234
     """Fixed sampling seed of the eval (each sample derives its own)."""
     max_problems: int = 0
@@ -375,7 +399,7 @@ class EvalConfig:
         _positive("eval", "n", self.n)
         _positive("eval", "temperature", self.temperature, allow_zero=True)
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"eval.top_p: {self.top_p!r} must be in (0, 1]")
+            raise ConfigError(f"eval.top_p: {self.top_p!r} must be in (0, 1]")
         _positive("eval", "max_response_length", self.max_response_length)
         _positive("eval", "interval", self.interval, allow_zero=True)
         _positive("eval", "max_problems", self.max_problems, allow_zero=True)
@@ -388,9 +412,11 @@ class WeightSyncConfig:
     backend: str = "gloo"
     """gloo (CPU) | nccl (GPU)."""
     master_address: str = "127.0.0.1"
+    """Address the rollout servers reach the trainer's weight-sync TCPStore at. Default 127.0.0.1."""
     master_port: Optional[int] = None
     """TCPStore port of the weight-sync group; None = a free port."""
     timeout_s: float = 600.0
+    """Timeout of the weight-sync group's rendezvous and collectives, and of the update calls, seconds. Default 600."""
     load_format: Optional[str] = None
     """SGLang's `load_format` of `/update_weights_from_distributed`: null (the default, SGLang's and
     slime's: one broadcast per tensor, no copy on the trainer side; the embedded server receives
@@ -407,7 +433,7 @@ class WeightSyncConfig:
         _choice("weight_sync", "load_format", self.load_format, ("flattened_bucket", None))
         _positive("weight_sync", "timeout_s", self.timeout_s)
         if self.master_port is not None and not 1 <= self.master_port <= 65535:
-            raise ValueError(f"weight_sync.master_port: {self.master_port!r} must be a TCP port (1-65535) or null")
+            raise ConfigError(f"weight_sync.master_port: {self.master_port!r} must be a TCP port (1-65535) or null")
 
 
 @dataclass(kw_only=True)
@@ -415,11 +441,13 @@ class TrainerConfig:
     total_training_steps: int = 10
     """RL steps (verl's name)."""
     seed: int = 1234
+    """Seed of the model init, the prompt order and the sampling seeds. Default 1234."""
     save_interval: int = 0
     """Checkpoint every this many steps; 0 = only at the end."""
     save_last: bool = True
     """Write a checkpoint after the last step."""
     keep_last_n_checkpoints: int = 2
+    """Complete checkpoints kept in `<run_dir>/checkpoints`; older ones are deleted. Default 2."""
     resume_mode: str = "auto"
     """auto: continue from the latest complete checkpoint in `<run_dir>/checkpoints` if there is
     one (verl's name) | disable: start over (refused when the run dir already holds checkpoints)."""
@@ -427,10 +455,20 @@ class TrainerConfig:
     """On SIGTERM or SIGUSR1 finish the current step, write a checkpoint and exit (code 75) so that
     a requeued job resumes from it; a second signal exits at once."""
     tensor_model_parallel_size: int = 1
+    """Tensor-parallel ranks (megatron-core's name); must divide the attention and KV heads and the
+    FFN size. Default 1. verl: `actor_rollout_ref.actor.megatron.tensor_model_parallel_size`."""
     pipeline_model_parallel_size: int = 1
+    """Pipeline stages (megatron-core's name); must divide the layers. Default 1.
+    verl: `actor_rollout_ref.actor.megatron.pipeline_model_parallel_size`."""
     context_parallel_size: int = 1
+    """Context-parallel ranks (megatron-core's name); only 1 is implemented. Default 1.
+    verl: `actor_rollout_ref.actor.megatron.context_parallel_size`."""
     sequence_parallel: bool = False
+    """Megatron sequence parallelism (needs TP > 1 and Transformer Engine). Default false.
+    verl: `actor_rollout_ref.actor.megatron.sequence_parallel`."""
     use_distributed_optimizer: bool = False
+    """Shard the optimizer state over data-parallel ranks (megatron-core's distributed optimizer).
+    Default false. verl: `actor_rollout_ref.actor.megatron.use_distributed_optimizer`."""
     nproc_per_node: int = 1
     """Trainer processes launched on this machine (world size when not under torchrun/srun)."""
     precision: str = "fp32"
@@ -454,11 +492,15 @@ class TrainerConfig:
     recompute: Optional[str] = None
     """None | selective | full activation recompute."""
     distributed_backend: str = "gloo"
+    """torch.distributed backend of the trainer's process groups: gloo (CPU, default) | nccl (GPU)."""
     distributed_timeout_s: float = 600.0
     """Timeout of every collective of the trainer."""
     tensorboard: bool = True
+    """Write TensorBoard event files to `<run_dir>/tensorboard`. Default true."""
     wandb: bool = False
+    """Log metrics to Weights & Biases (needs wandb installed and logged in). Default false."""
     progress_bar: bool = True
+    """Show a progress bar of the steps on the controller. Default true."""
     num_threads: int = 0
     """torch intra-op threads per process; 0 = torch's default."""
 
@@ -472,7 +514,7 @@ class TrainerConfig:
         _choice("trainer", "resume_mode", self.resume_mode, ("auto", "disable"))
         _positive("trainer", "num_threads", self.num_threads, allow_zero=True)
         if self.distributed_timeout_s < 1:
-            raise ValueError(f"trainer.distributed_timeout_s: {self.distributed_timeout_s!r} must be >= 1 (seconds)")
+            raise ConfigError(f"trainer.distributed_timeout_s: {self.distributed_timeout_s!r} must be >= 1 (seconds)")
         _choice("trainer", "fp8", self.fp8, (None, "hybrid", "e4m3"))
         _choice("trainer", "fp8_recipe", self.fp8_recipe, ("delayed", "tensorwise", "blockwise", "mxfp8"))
         _choice("trainer", "fp8_amax_compute_algo", self.fp8_amax_compute_algo, ("max", "most_recent"))
@@ -480,21 +522,21 @@ class TrainerConfig:
         _positive("trainer", "fp8_margin", self.fp8_margin, allow_zero=True)
         _choice("trainer", "transformer_impl", self.transformer_impl, ("auto", "transformer_engine", "local"))
         if self.fp8 is not None and self.transformer_impl == "local":
-            raise ValueError("trainer.fp8 needs trainer.transformer_impl: transformer_engine (or auto): "
+            raise ConfigError("trainer.fp8 needs trainer.transformer_impl: transformer_engine (or auto): "
                              "megatron-core's local layers have no FP8 GEMMs")
         if self.sequence_parallel and self.transformer_impl == "local":
-            raise ValueError("trainer.sequence_parallel needs trainer.transformer_impl: transformer_engine (or "
+            raise ConfigError("trainer.sequence_parallel needs trainer.transformer_impl: transformer_engine (or "
                              "auto): megatron-core's local spec has no sequence-parallel norms")
         if self.context_parallel_size > 1 and self.transformer_impl == "local":
-            raise ValueError("trainer.context_parallel_size > 1 needs trainer.transformer_impl: transformer_engine: "
+            raise ConfigError("trainer.context_parallel_size > 1 needs trainer.transformer_impl: transformer_engine: "
                              "megatron-core runs context parallelism only in Transformer Engine's attention "
                              "(TEDotProductAttention); the local spec's attention refuses it")
         if self.fp8_param_gather and (self.fp8 is None or not self.use_distributed_optimizer):
-            raise ValueError("trainer.fp8_param_gather needs trainer.fp8 and trainer.use_distributed_optimizer")
+            raise ConfigError("trainer.fp8_param_gather needs trainer.fp8 and trainer.use_distributed_optimizer")
         _choice("trainer", "recompute", self.recompute, (None, "selective", "full"))
         _choice("trainer", "distributed_backend", self.distributed_backend, ("gloo", "nccl"))
         if self.fp8 is not None and self.precision != "bf16":
-            raise ValueError("trainer.fp8 needs trainer.precision: bf16 (FP8 GEMMs with bf16 master compute)")
+            raise ConfigError("trainer.fp8 needs trainer.precision: bf16 (FP8 GEMMs with bf16 master compute)")
 
 
 @dataclass(kw_only=True)
@@ -502,14 +544,23 @@ class Config:
     run_dir: str = "runs/default"
     """Output folder: resolved config, metrics.jsonl, TensorBoard, checkpoints, summary.json, logs."""
     model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy model (Hugging Face folder)."""
     data: DataConfig = field(default_factory=DataConfig)
+    """Prompts, batch sizes and lengths."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Rollout servers and sampling."""
     actor: ActorConfig = field(default_factory=ActorConfig)
+    """The policy update: batches, loss, optimizer."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantages, dynamic sampling, DAA."""
     reward: RewardConfig = field(default_factory=RewardConfig)
+    """Verifier and reward shaping."""
     eval: EvalConfig = field(default_factory=EvalConfig)
+    """Evaluation on data.val_files."""
     weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    """Trainer -> rollout server weight updates."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Steps, checkpoints, parallel layout, precision, logging."""
 
 
 SECRET_KEYS = ("rollout.api_key", "rollout.admin_api_key")

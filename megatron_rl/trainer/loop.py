@@ -35,14 +35,14 @@ def run_training(cfg: Config) -> dict:
         RolloutServerError / WeightSyncError: a rollout server that does not come up or a failed sync.
         TrainingInterrupted: SIGTERM / SIGUSR1 stopped the run (after a checkpoint, if a step ran).
     """
-    from megatron_rl.trainer.preflight import run_environment_checks
+    from megatron_rl.trainer.preflight import run_preflight
     from megatron_rl.trainer.setup import setup_logging
 
     t_start = time.perf_counter()
     run_dir = Path(cfg.run_dir)
     rank = int(os.environ.get("RANK", "0"))
     setup_logging(run_dir, rank)
-    run_environment_checks(cfg)
+    run_preflight(cfg)
     done = _finished_summary(cfg, run_dir)
     if done is not None:
         logger.info("%s already finished all %d steps; nothing to do (summary: %s). Raise "

@@ -10,51 +10,19 @@ megatron-core sums both over micro-batches and data-parallel ranks and divides i
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from functools import partial
-from typing import Optional
 
 import torch
 
 from megatron_rl.algorithms.aggregation import aggregate_loss
 from megatron_rl.algorithms.kl import kl_penalty, tis_weights
 from megatron_rl.algorithms.losses import POLICY_LOSSES
+from megatron_rl.algorithms.options import POLICY_LOSS_OPTIONS, options_of
+from megatron_rl.config.schema import ActorConfig
 from megatron_rl.trainer.batch import TrainBatch
 from megatron_rl.trainer.logprobs import forward_logits, token_logprobs_and_entropy
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(kw_only=True)
-class LossSettings:
-    """The actor options that shape the loss (a view of `ActorConfig`)."""
-
-    policy_loss: str
-    loss_agg_mode: str
-    loss_scale_factor: Optional[float]
-    clip_ratio_low: float
-    clip_ratio_high: float
-    clip_ratio_c: float
-    gspo_clip_low: float
-    gspo_clip_high: float
-    cispo_clip_low: Optional[float]
-    cispo_clip_high: float
-    tis_enable: bool
-    tis_clip: float
-    kl_coef: float
-    kl_type: str
-    entropy_coeff: float
-
-    def loss_kwargs(self) -> dict:
-        """Keyword arguments of the registered policy loss (no catch-all: a typo raises, case B08)."""
-        if self.policy_loss == "vanilla":
-            return dict(clip_ratio_low=self.clip_ratio_low, clip_ratio_high=self.clip_ratio_high,
-                        clip_ratio_c=self.clip_ratio_c)
-        if self.policy_loss == "gspo":
-            return dict(gspo_clip_low=self.gspo_clip_low, gspo_clip_high=self.gspo_clip_high)
-        if self.policy_loss == "cispo":
-            return dict(cispo_clip_high=self.cispo_clip_high, cispo_clip_low=self.cispo_clip_low)
-        raise ValueError(f"unknown actor.policy_loss {self.policy_loss!r}")
 
 
 _SUM_KEYS = ("tokens", "clipped", "dual_clipped", "approx_kl", "entropy", "tis_raw", "tis_used", "kl",
@@ -72,7 +40,12 @@ class PolicyTrainer:
         micro_batch_size: sequences per micro-batch (when `max_tokens_per_micro_batch` is None).
         max_tokens_per_micro_batch: token budget of a micro-batch (rows x padded width, see
             `trainer.batch.split_by_token_budget`); None = fixed `micro_batch_size` micro-batches.
-        loss: `LossSettings`.
+        actor: the `actor` config section: `policy_loss` and its registered options (passed to the
+            loss function as `options_of(POLICY_LOSS_OPTIONS.get(policy_loss), actor)`),
+            `loss_agg_mode`, `loss_scale_factor`, `tis`, `use_kl_loss`/`kl_loss_coef`/`kl_loss_type`,
+            `entropy_coeff`. Its batch sizes are not read here (see `micro_batch_size`).
+        max_response_length: `data.max_response_length`, the default `loss_scale_factor` of
+            seq-mean-token-sum-norm.
         tp_group: tensor-parallel group for the vocab-parallel log-probs (None at TP=1).
         ref_model: frozen reference model chunks, only with a KL loss.
         dp_group: data-parallel group (with context-parallel ranks); None = no data parallelism.
@@ -93,20 +66,28 @@ class PolicyTrainer:
     """
 
     def __init__(self, model, optimizer, scheduler, *, vocab_size: int, micro_batch_size: int,
-                 loss: LossSettings, tp_group=None, ref_model=None, dp_group=None, pp_group=None,
-                 max_tokens_per_micro_batch: int | None = None) -> None:
+                 actor: ActorConfig, max_response_length: int | None = None, tp_group=None, ref_model=None,
+                 dp_group=None, pp_group=None, max_tokens_per_micro_batch: int | None = None) -> None:
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.vocab_size = vocab_size
         self.micro_batch_size = micro_batch_size
-        self.loss = loss
+        self.actor = actor
         self.tp_group = tp_group
         self.ref_model = ref_model
         self.dp_group = dp_group
         self.pp_group = pp_group
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
-        self._loss_fn = POLICY_LOSSES.get(loss.policy_loss)
+        self._loss_fn = POLICY_LOSSES.get(actor.policy_loss)
+        self._loss_kwargs = options_of(POLICY_LOSS_OPTIONS.get(actor.policy_loss), actor)
+        self._loss_scale_factor = actor.loss_scale_factor
+        if self._loss_scale_factor is None and actor.loss_agg_mode == "seq-mean-token-sum-norm":
+            if max_response_length is None:
+                raise ValueError("actor.loss_agg_mode seq-mean-token-sum-norm needs actor.loss_scale_factor or "
+                                 "max_response_length (data.max_response_length)")
+            self._loss_scale_factor = float(max_response_length)
+        self._kl_coef = actor.kl_loss_coef if actor.use_kl_loss else 0.0
 
     # ---- layout helpers ------------------------------------------------------------------------
     @staticmethod
@@ -246,24 +227,24 @@ class PolicyTrainer:
                                                        tp_group=self.tp_group)
         mask = mb.loss_mask
         adv = mb.advantages.unsqueeze(1).expand_as(logprobs)  # (B, S)
-        out = self._loss_fn(logprobs, mb.old_logprobs, adv, mask, **self.loss.loss_kwargs())
+        out = self._loss_fn(logprobs, mb.old_logprobs, adv, mask, **self._loss_kwargs)
         token_loss = out.token_loss
         sums = {}
-        if self.loss.tis_enable:
-            w, stats = tis_weights(mb.old_logprobs, mb.rollout_logprobs, mask, clip=self.loss.tis_clip)
+        if self.actor.tis.enable:
+            w, stats = tis_weights(mb.old_logprobs, mb.rollout_logprobs, mask, clip=self.actor.tis.clip)
             token_loss = token_loss * w
             m = mask.float()
             sums["tis_raw"] = (torch.exp(torch.clamp(mb.old_logprobs - mb.rollout_logprobs, -20, 20)) * m).sum()
             sums["tis_used"] = (w * m).sum()
-        if self.loss.kl_coef > 0:
-            kl = kl_penalty(logprobs, mb.ref_logprobs, self.loss.kl_type)
+        if self._kl_coef > 0:
+            kl = kl_penalty(logprobs, mb.ref_logprobs, self.actor.kl_loss_type)
             kl = torch.where(mask, kl, torch.zeros_like(kl))
-            token_loss = token_loss + self.loss.kl_coef * kl
+            token_loss = token_loss + self._kl_coef * kl
             sums["kl"] = kl.detach().sum()
-        if self.loss.entropy_coeff:
-            token_loss = token_loss - self.loss.entropy_coeff * torch.where(mask, entropy, torch.zeros_like(entropy))
-        num, count = aggregate_loss(token_loss, mask, self.loss.loss_agg_mode,
-                                    loss_scale_factor=self.loss.loss_scale_factor)
+        if self.actor.entropy_coeff:
+            token_loss = token_loss - self.actor.entropy_coeff * torch.where(mask, entropy, torch.zeros_like(entropy))
+        num, count = aggregate_loss(token_loss, mask, self.actor.loss_agg_mode,
+                                    loss_scale_factor=self._loss_scale_factor)
         m = mask.float()
         with torch.no_grad():
             sums.update(
@@ -339,10 +320,10 @@ class PolicyTrainer:
                     "train/lr": self.optimizer.param_groups[0]["lr"],
                     "train/update_skipped": float(not ok),
                 }
-                if self.loss.tis_enable:
+                if self.actor.tis.enable:
                     rec["train/tis_raw_ratio_mean"] = sums["tis_raw"] / tokens
                     rec["train/tis_weight_mean"] = sums["tis_used"] / tokens
-                if self.loss.kl_coef > 0:
+                if self._kl_coef > 0:
                     rec["train/kl_loss"] = sums["kl"] / tokens
                 history.append(rec)
         return history

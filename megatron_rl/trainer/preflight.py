@@ -1,15 +1,194 @@
-"""Launch-time checks (placeholder until the config redesign lands)."""
+"""Launch-time checks: the facts a config cannot show alone (DESIGN.md "Configuration checks").
+
+`megatron_rl.config` checks what the config says (types, ranges, cross-section facts); the checks
+here need the launch environment: the world size the launcher gives, files on disk, Transformer
+Engine and the GPU, reachable rollout servers, the run dir's checkpoints. Each has a stable NAME
+that `cli.py` (the layout checks before local ranks start, the `--dry-run` listing), the trainer
+and `slurm/jobtool.py` refer to. A check raises `RuntimeError` with a clear message, and returns
+None when it passed or a "not applicable: ..." reason when it did not apply.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from megatron_rl.config import Config
 
 logger = logging.getLogger(__name__)
 
 
-def run_environment_checks(cfg) -> None:
-    from megatron_rl.config.loader import environment_checks
+@dataclass(frozen=True)
+class Check:
+    """One launch-time check: `run(cfg)` raises `RuntimeError` or returns None / a skip reason."""
 
-    for desc, check in environment_checks(cfg):
-        skipped = check()
-        logger.info("environment check %s: %s", f"skipped ({skipped})" if skipped else "passed", desc)
+    name: str
+    """Stable identifier (`world_size`, `data_files`, ...)."""
+    description: str
+    """What it checks, in words (logged, and listed by `--dry-run`)."""
+    run: Callable[[Config], Optional[str]]
+
+
+def _world(cfg: Config) -> tuple[int, int]:
+    t = cfg.trainer
+    world = int(os.environ.get("WORLD_SIZE", t.nproc_per_node))
+    return world, t.tensor_model_parallel_size * t.pipeline_model_parallel_size * t.context_parallel_size
+
+
+def world_size(cfg: Config) -> None:
+    t = cfg.trainer
+    world, mp = _world(cfg)
+    if world % mp:
+        source = ("WORLD_SIZE from the launcher (torchrun / srun)" if "WORLD_SIZE" in os.environ
+                  else "trainer.nproc_per_node")
+        raise RuntimeError(
+            f"world size {world} ({source}) is not divisible by trainer.tensor_model_parallel_size x "
+            f"trainer.pipeline_model_parallel_size x trainer.context_parallel_size = "
+            f"{t.tensor_model_parallel_size} x {t.pipeline_model_parallel_size} x {t.context_parallel_size} = {mp}: "
+            f"set {'the number of processes' if 'WORLD_SIZE' in os.environ else 'trainer.nproc_per_node'} "
+            f"to a multiple of {mp}"
+        )
+
+
+def data_parallel_split(cfg: Config) -> None:
+    world, mp = _world(cfg)
+    if world % mp:
+        return  # reported by world_size
+    dp = world // mp
+    mini = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
+    if mini % dp:
+        raise RuntimeError(
+            f"actor.ppo_mini_batch_size x rollout.n = {mini} sequences per mini-batch do not split over "
+            f"{dp} data-parallel ranks (world {world} / TP*PP*CP {mp})"
+        )
+
+
+def run_dir(cfg: Config) -> Optional[str]:
+    from megatron_rl.checkpoint.save import latest_checkpoint
+
+    if cfg.trainer.resume_mode != "disable":
+        return "not applicable: trainer.resume_mode is auto (a run dir with checkpoints is resumed)"
+    latest = latest_checkpoint(cfg.run_dir)
+    if latest is not None:
+        raise RuntimeError(
+            f"run_dir {cfg.run_dir} holds checkpoints of an earlier run (latest step {latest}) and "
+            f"trainer.resume_mode is disable: use another run_dir, delete {cfg.run_dir}/checkpoints, or set "
+            f"trainer.resume_mode=auto to continue it"
+        )
+    return None
+
+
+def data_files(cfg: Config) -> None:
+    if not cfg.data.train_files:
+        raise RuntimeError("data.train_files: at least one file of training prompts is required")
+    for f in list(cfg.data.train_files) + list(cfg.data.val_files):
+        if not Path(f).is_file():
+            raise RuntimeError(f"data file not found: {f}")
+
+
+def transformer_impl(cfg: Config) -> Optional[str]:
+    t = cfg.trainer
+    if t.transformer_impl != "transformer_engine":
+        return f"not applicable: trainer.transformer_impl is {t.transformer_impl}"
+    from megatron_rl.models.builder import transformer_engine_usable
+
+    if not transformer_engine_usable():
+        raise RuntimeError(
+            "trainer.transformer_impl=transformer_engine needs Transformer Engine and a CUDA GPU; "
+            "use trainer.transformer_impl=auto (local layers without TE) or install Transformer Engine"
+        )
+    return None
+
+
+def fp8(cfg: Config) -> Optional[str]:
+    t = cfg.trainer
+    if t.fp8 is None:
+        return "not applicable: trainer.fp8 is unset"
+    if importlib.util.find_spec("transformer_engine") is None:
+        raise RuntimeError("trainer.fp8 is set but Transformer Engine is not installed "
+                           "(pip install transformer-engine[pytorch]; FP8 GEMMs exist only in TE)")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("trainer.fp8 needs a CUDA GPU (Hopper or newer); none is available")
+    major, _ = torch.cuda.get_device_capability()
+    if major < 9:
+        raise RuntimeError(f"trainer.fp8 needs a Hopper (sm90) or newer GPU; found compute capability {major}.x")
+    if t.fp8_recipe == "mxfp8" and major < 10:
+        raise RuntimeError(f"trainer.fp8_recipe=mxfp8 needs a Blackwell (sm100) or newer GPU (Transformer Engine's "
+                           f"MXFP8); found compute capability {major}.x: use fp8_recipe=delayed, tensorwise or "
+                           "blockwise on Hopper")
+    return None
+
+
+def sequence_parallel(cfg: Config) -> Optional[str]:
+    if not cfg.trainer.sequence_parallel:
+        return "not applicable: trainer.sequence_parallel is off"
+    from megatron_rl.models.builder import transformer_engine_usable
+
+    if not transformer_engine_usable():
+        raise RuntimeError(
+            "trainer.sequence_parallel needs Transformer Engine: megatron-core's local layer spec (used "
+            "without TE, e.g. on CPU) has no sequence-parallel LayerNorm/RMSNorm. Set "
+            "trainer.sequence_parallel=false or install Transformer Engine"
+        )
+    return None
+
+
+def model_files(cfg: Config) -> None:
+    p = cfg.model.path
+    if p is None or not (Path(p) / "config.json").is_file():
+        raise RuntimeError(f"model.path {p!r} has no config.json")
+
+
+def rollout_servers(cfg: Config) -> Optional[str]:
+    if not cfg.rollout.server_urls:
+        return "not applicable: rollout.server_urls is empty, embedded servers are started and health-checked at launch"
+    from megatron_rl.rollout.client import RolloutClient
+
+    for url in cfg.rollout.server_urls:
+        RolloutClient(url, api_key=cfg.rollout.api_key, timeout_s=10).health()
+    return None
+
+
+CHECKS: tuple[Check, ...] = (
+    Check("world_size", "world size divisible by TP*PP*CP", world_size),
+    Check("run_dir", "run_dir free of an earlier run's checkpoints when trainer.resume_mode is disable", run_dir),
+    Check("data_parallel_split", "mini-batches split evenly over data-parallel ranks", data_parallel_split),
+    Check("data_files", "data files exist", data_files),
+    Check("transformer_impl", "Transformer Engine and CUDA for trainer.transformer_impl=transformer_engine",
+          transformer_impl),
+    Check("fp8", "Transformer Engine and a Hopper GPU for FP8", fp8),
+    Check("sequence_parallel", "Transformer Engine for sequence parallelism", sequence_parallel),
+    Check("model_files", "model.path holds a Hugging Face model", model_files),
+    Check("rollout_servers", "rollout servers reachable (rollout.server_urls)", rollout_servers),
+)
+"""Every launch-time check, in the order `run_preflight` runs them."""
+
+CHECK_NAMES = tuple(c.name for c in CHECKS)
+
+
+def get_check(name: str) -> Check:
+    """The check called `name`. Raises `KeyError` listing the valid names."""
+    for c in CHECKS:
+        if c.name == name:
+            return c
+    raise KeyError(f"unknown preflight check {name!r}; valid names: {', '.join(CHECK_NAMES)}")
+
+
+def environment_checks(cfg: Config) -> dict[str, Callable[[], Optional[str]]]:
+    """name -> the check bound to `cfg` (call it to run it), in run order."""
+    return {c.name: (lambda c=c: c.run(cfg)) for c in CHECKS}
+
+
+def run_preflight(cfg: Config, names: tuple[str, ...] | None = None) -> None:
+    """Run the checks called `names` (default: all, in order), logging each; the first failure
+    raises its `RuntimeError`."""
+    for c in CHECKS if names is None else tuple(get_check(n) for n in names):
+        skipped = c.run(cfg)
+        logger.info("environment check %s: %s [%s]", f"skipped ({skipped})" if skipped else "passed",
+                    c.description, c.name)

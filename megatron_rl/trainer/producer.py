@@ -16,6 +16,7 @@ import torch
 from megatron_rl.algorithms.advantages import compute_advantages
 from megatron_rl.algorithms.daa import apply_daa
 from megatron_rl.algorithms.dynamic_sampling import collect_groups, keep_group
+from megatron_rl.algorithms.options import ADV_ESTIMATOR_SPECS
 from megatron_rl.trainer.batch import build_train_batch
 from megatron_rl.trainer.step_metrics import CHECKSUM_PRIME, token_checksum
 
@@ -181,7 +182,7 @@ class RolloutProducer:
         valid = torch.tensor([not s.failed for s in samples], dtype=torch.bool)
         uids = [s.group_uid for s in samples]
         resp_mask = None
-        if cfg.algorithm.adv_estimator == "reinforce_plus_plus_baseline":
+        if ADV_ESTIMATOR_SPECS.get(cfg.algorithm.adv_estimator).needs_response_mask:
             width = max(len(s.response_ids) for s in samples)
             resp_mask = torch.zeros((len(samples), width), dtype=torch.bool)
             for i, s in enumerate(samples):

@@ -184,21 +184,6 @@ def _build_model(run: Run, tf_config, *, trainable: bool = True):
     return model
 
 
-def _loss_settings(cfg: Config):
-    from megatron_rl.trainer.policy import LossSettings
-
-    a = cfg.actor
-    return LossSettings(
-        policy_loss=a.policy_loss, loss_agg_mode=a.loss_agg_mode,
-        loss_scale_factor=a.loss_scale_factor or (float(cfg.data.max_response_length)
-                                                  if a.loss_agg_mode == "seq-mean-token-sum-norm" else None),
-        clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
-        gspo_clip_low=a.gspo_clip_low, gspo_clip_high=a.gspo_clip_high, cispo_clip_low=a.cispo_clip_low,
-        cispo_clip_high=a.cispo_clip_high, tis_enable=a.tis.enable, tis_clip=a.tis.clip,
-        kl_coef=a.kl_loss_coef if a.use_kl_loss else 0.0, kl_type=a.kl_loss_type, entropy_coeff=a.entropy_coeff,
-    )
-
-
 def _build_policy(run: Run) -> None:
     """The policy (and reference) model, DDP + optimizer + LR schedule, and the `PolicyTrainer`."""
     from megatron_rl.models.builder import transformer_config_for, wrap_ddp_and_optimizer
@@ -228,7 +213,7 @@ def _build_policy(run: Run) -> None:
         tp_group=pgs.tp if t.tensor_model_parallel_size > 1 else None, ref_model=run.ref_model,
         dp_group=pgs.dp_cp if pgs.dp_size * pgs.cp_size > 1 else None,
         pp_group=pgs.pp if pgs.pp_size > 1 else None, max_tokens_per_micro_batch=a.token_budget,
-        loss=_loss_settings(cfg),
+        actor=a, max_response_length=cfg.data.max_response_length,
     )
 
 

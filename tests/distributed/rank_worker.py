@@ -137,12 +137,13 @@ def scenario_layouts() -> dict:
     import torch
     import torch.distributed as dist
 
+    from megatron_rl.config.schema import ActorConfig
     from megatron_rl.models.builder import build_model, wrap_ddp_and_optimizer
     from megatron_rl.models.hf_config import build_transformer_config
     from megatron_rl.models.hf_weights import iter_hf_weights, load_hf_weights
     from megatron_rl.parallel.groups import destroy_parallel, initialize_parallel
     from megatron_rl.trainer.batch import build_train_batch
-    from megatron_rl.trainer.policy import LossSettings, PolicyTrainer
+    from megatron_rl.trainer.policy import PolicyTrainer
     from tiny_qwen2 import hf_state_dict, tiny_hf_config, tiny_hf_model
 
     tp, pp = int(os.environ["TP"]), int(os.environ["PP"])
@@ -172,15 +173,13 @@ def scenario_layouts() -> dict:
         assert model.embedding.word_embeddings.weight.shape == (256 // tp, 64)
     tm = wrap_ddp_and_optimizer(model, tf_config, lr=1e-3, weight_decay=0.0, clip_grad=1.0,
                                 use_distributed_optimizer=os.environ.get("DISTOPT", "0") == "1")
-    loss = LossSettings(
-        policy_loss="vanilla", loss_agg_mode=os.environ.get("AGG", "token-mean"),
+    loss = ActorConfig(
+        loss_agg_mode=os.environ.get("AGG", "token-mean"),
         loss_scale_factor=10.0 if os.environ.get("AGG") == "seq-mean-token-sum-norm" else None,
-        clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, gspo_clip_low=3e-4, gspo_clip_high=4e-4,
-        cispo_clip_low=None, cispo_clip_high=0.28, tis_enable=False, tis_clip=2.0, kl_coef=0.0, kl_type="k3",
-        entropy_coeff=0.0,
+        clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, kl_loss_type="k3",
     )
     trainer = PolicyTrainer(tm.model, tm.optimizer, tm.scheduler, vocab_size=hf_config["vocab_size"],
-                            micro_batch_size=2, loss=loss, tp_group=g.tp if tp > 1 else None,
+                            micro_batch_size=2, actor=loss, tp_group=g.tp if tp > 1 else None,
                             dp_group=g.dp_cp if g.dp_size > 1 else None, pp_group=g.pp if pp > 1 else None,
                             max_tokens_per_micro_batch=int(os.environ["BUDGET"]) if os.environ.get("BUDGET") else None)
     gen = torch.Generator().manual_seed(7)

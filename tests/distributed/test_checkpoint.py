@@ -20,8 +20,9 @@ from megatron_rl.checkpoint.save import (
     load_checkpoint,
     save_checkpoint,
 )
+from megatron_rl.config.schema import ActorConfig
 from megatron_rl.trainer.batch import build_train_batch
-from megatron_rl.trainer.policy import LossSettings, PolicyTrainer
+from megatron_rl.trainer.policy import PolicyTrainer
 from tests.distributed.tiny_qwen2 import tiny_hf_config, tiny_hf_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -40,13 +41,12 @@ def _trainer(hf_config=None):
     # cosine decay: the scheduler's state sets the LR of step 2
     tm = wrap_ddp_and_optimizer(model, tf_config, lr=1e-3, clip_grad=1.0, lr_warmup_steps=0,
                                 lr_decay_steps=10, lr_decay_style="cosine")
-    loss = LossSettings(
-        policy_loss="vanilla", loss_agg_mode="token-mean", loss_scale_factor=None, clip_ratio_low=0.2,
-        clip_ratio_high=0.28, clip_ratio_c=3.0, gspo_clip_low=3e-4, gspo_clip_high=4e-4, cispo_clip_low=None,
-        cispo_clip_high=0.28, tis_enable=False, tis_clip=2.0, kl_coef=0.0, kl_type="k3", entropy_coeff=0.0,
+    loss = ActorConfig(
+        loss_agg_mode="token-mean", loss_scale_factor=None,
+        clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, kl_loss_type="k3",
     )
     return PolicyTrainer(tm.model, tm.optimizer, tm.scheduler, vocab_size=hf_config["vocab_size"],
-                         micro_batch_size=2, loss=loss)
+                         micro_batch_size=2, actor=loss)
 
 
 def _batch(seed):

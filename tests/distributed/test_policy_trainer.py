@@ -9,19 +9,18 @@
 import pytest
 import torch
 
+from megatron_rl.config.schema import ActorConfig
 from megatron_rl.trainer.batch import build_train_batch
-from megatron_rl.trainer.policy import LossSettings, PolicyTrainer
+from megatron_rl.trainer.policy import PolicyTrainer
 from tests.distributed.tiny_qwen2 import tiny_hf_config, tiny_hf_model
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def _settings(mode: str) -> LossSettings:
-    return LossSettings(
-        policy_loss="vanilla", loss_agg_mode=mode, loss_scale_factor=10.0 if mode == "seq-mean-token-sum-norm" else None,
-        clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, gspo_clip_low=3e-4, gspo_clip_high=4e-4,
-        cispo_clip_low=None, cispo_clip_high=0.28, tis_enable=False, tis_clip=2.0, kl_coef=0.0, kl_type="k3",
-        entropy_coeff=0.0,
+def _settings(mode: str) -> ActorConfig:
+    return ActorConfig(
+        loss_agg_mode=mode, loss_scale_factor=10.0 if mode == "seq-mean-token-sum-norm" else None,
+        clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, kl_loss_type="k3",
     )
 
 
@@ -37,7 +36,7 @@ def _trainer(mode: str, micro_batch_size: int, max_tokens: int | None = None):
     load_hf_weights(model, hf.state_dict())
     tm = wrap_ddp_and_optimizer(model, tf_config, lr=1e-3, clip_grad=0.0)
     trainer = PolicyTrainer(tm.model, tm.optimizer, tm.scheduler, vocab_size=hf_config["vocab_size"],
-                            micro_batch_size=micro_batch_size, loss=_settings(mode),
+                            micro_batch_size=micro_batch_size, actor=_settings(mode),
                             max_tokens_per_micro_batch=max_tokens)
     return trainer
 

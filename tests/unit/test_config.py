@@ -154,18 +154,18 @@ def test_dry_run_bad_key_exits_2():
 
 
 def test_data_parallel_split_is_a_clear_launch_error(monkeypatch):
-    from megatron_rl.config import environment_checks
+    from megatron_rl.trainer.preflight import environment_checks
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     # world 4, TP 1 -> DP 4; 3 prompts x 2 responses = 6 sequences a mini-batch do not split over 4
     cfg = load_config(None, BASE + ["trainer.nproc_per_node=4", "actor.ppo_mini_batch_size=3", "rollout.n=2",
                                     "data.train_batch_size=6"])
-    check = dict(environment_checks(cfg))["mini-batches split evenly over data-parallel ranks"]
+    check = environment_checks(cfg)["data_parallel_split"]
     with pytest.raises(RuntimeError, match="= 6 sequences per mini-batch do not split over 4 data-parallel ranks"):
         check()
     ok = load_config(None, BASE + ["trainer.nproc_per_node=4", "trainer.tensor_model_parallel_size=2",
                                    "actor.ppo_mini_batch_size=3", "rollout.n=2", "data.train_batch_size=6"])
-    assert dict(environment_checks(ok))["mini-batches split evenly over data-parallel ranks"]() is None
+    assert environment_checks(ok)["data_parallel_split"]() is None
 
 
 @pytest.mark.parametrize("override, message", [
@@ -208,7 +208,7 @@ def test_sequence_longer_than_the_model_is_refused():
 
 
 def test_resume_mode_disable_check_and_auto_skip(tmp_path):
-    from megatron_rl.config import environment_checks
+    from megatron_rl.trainer.preflight import environment_checks
 
     run_dir = tmp_path / "run"
     ck = run_dir / "checkpoints" / "iter_0000004"
@@ -216,21 +216,21 @@ def test_resume_mode_disable_check_and_auto_skip(tmp_path):
     (ck / "run_state.json").write_text("{}")
     (ck / "model_optim" / "metadata.json").write_text("{}")
     (run_dir / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("4")
-    auto = dict(environment_checks(load_config(None, BASE + [f"run_dir={run_dir}"])))
-    check = next(v for k, v in auto.items() if k.startswith("run_dir free"))
+    auto = environment_checks(load_config(None, BASE + [f"run_dir={run_dir}"]))
+    check = auto["run_dir"]
     assert check().startswith("not applicable")
-    off = dict(environment_checks(load_config(None, BASE + [f"run_dir={run_dir}", "trainer.resume_mode=disable"])))
-    check = next(v for k, v in off.items() if k.startswith("run_dir free"))
+    off = environment_checks(load_config(None, BASE + [f"run_dir={run_dir}", "trainer.resume_mode=disable"]))
+    check = off["run_dir"]
     with pytest.raises(RuntimeError, match=r"holds checkpoints of an earlier run \(latest step 4\)"):
         check()
 
 
 def test_sequence_parallel_without_te_is_a_launch_error():
-    from megatron_rl.config import environment_checks
+    from megatron_rl.trainer.preflight import environment_checks
     from megatron_rl.models.builder import transformer_engine_usable
 
     cfg = load_config(None, BASE + ["trainer.tensor_model_parallel_size=2", "trainer.sequence_parallel=true"])
-    check = dict(environment_checks(cfg))["Transformer Engine for sequence parallelism"]
+    check = environment_checks(cfg)["sequence_parallel"]
     if transformer_engine_usable():
         assert check() is None
     else:

@@ -3,6 +3,7 @@
 from megatron_rl.algorithms.advantages import ADV_ESTIMATORS
 from megatron_rl.algorithms.aggregation import LOSS_AGG_MODES
 from megatron_rl.algorithms.losses import POLICY_LOSSES
+from megatron_rl.algorithms.options import ADV_ESTIMATOR_SPECS, DAA_FACTOR_OPTIONS, POLICY_LOSS_OPTIONS
 from megatron_rl.rewards.registry import REWARD_FNS
 
 
@@ -16,6 +17,10 @@ def test_exact_registry_names():
         "token-mean",
     ]
     assert REWARD_FNS.names() == ["dapo_math", "gsm8k", "math_auto", "math_boxed", "math_verify"]
+    # the torch-free registrations the config takes its choices and options from
+    assert ADV_ESTIMATOR_SPECS.names() == ["grpo", "reinforce_plus_plus_baseline", "rloo"]
+    assert POLICY_LOSS_OPTIONS.names() == ["cispo", "gspo", "vanilla"]
+    assert DAA_FACTOR_OPTIONS.names() == ["balanced", "power"]
 
 
 def test_algorithms_import_no_heavy_frameworks():

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.config import environment_checks, load_config
+from megatron_rl.config import load_config
+from megatron_rl.trainer.preflight import environment_checks
 from megatron_rl.models.builder import transformer_config_for, use_te_for
 
 BASE = ["model.path=/models/x"]
@@ -61,8 +62,8 @@ def test_use_te_mapping():
         use_te_for("apex")
 
 
-def _check(cfg, prefix):
-    return next(fn for desc, fn in environment_checks(cfg) if desc.startswith(prefix))
+def _check(cfg, name):
+    return environment_checks(cfg)[name]
 
 
 def test_environment_check_refuses_fp8_and_te_without_te_gpu(monkeypatch):
@@ -76,13 +77,13 @@ def test_environment_check_refuses_fp8_and_te_without_te_gpu(monkeypatch):
         pytest.skip("Transformer Engine and CUDA present: the refusal path does not apply")
     cfg = load_config(None, BASE + ["trainer.precision=bf16", "trainer.fp8=hybrid"])
     with pytest.raises(RuntimeError, match="trainer.fp8"):
-        _check(cfg, "Transformer Engine and a Hopper")()
+        _check(cfg, "fp8")()
     cfg = load_config(None, BASE + ["trainer.transformer_impl=transformer_engine"])
     with pytest.raises(RuntimeError, match="transformer_impl=transformer_engine"):
-        _check(cfg, "Transformer Engine and CUDA")()
+        _check(cfg, "transformer_impl")()
     plain = load_config(None, BASE)
-    assert _check(plain, "Transformer Engine and a Hopper")().startswith("not applicable")
-    assert _check(plain, "Transformer Engine and CUDA")().startswith("not applicable")
+    assert _check(plain, "fp8")().startswith("not applicable")
+    assert _check(plain, "transformer_impl")().startswith("not applicable")
 
 
 def test_environment_check_refuses_pre_hopper_gpu(monkeypatch):
@@ -98,9 +99,9 @@ def test_environment_check_refuses_pre_hopper_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
     cfg = load_config(None, BASE + ["trainer.precision=bf16", "trainer.fp8=hybrid"])
     with pytest.raises(RuntimeError, match="Hopper"):
-        _check(cfg, "Transformer Engine and a Hopper")()
+        _check(cfg, "fp8")()
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
-    assert _check(cfg, "Transformer Engine and a Hopper")() is None
+    assert _check(cfg, "fp8")() is None
 
 
 def test_environment_check_refuses_mxfp8_before_blackwell(monkeypatch):
@@ -117,11 +118,11 @@ def test_environment_check_refuses_mxfp8_before_blackwell(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     mx = load_config(None, BASE + ["trainer.precision=bf16", "trainer.fp8=e4m3", "trainer.fp8_recipe=mxfp8"])
     with pytest.raises(RuntimeError, match=r"trainer.fp8_recipe=mxfp8 needs a Blackwell \(sm100\).*9\.x"):
-        _check(mx, "Transformer Engine and a Hopper")()
+        _check(mx, "fp8")()
     delayed = load_config(None, BASE + ["trainer.precision=bf16", "trainer.fp8=e4m3", "trainer.fp8_recipe=delayed"])
-    assert _check(delayed, "Transformer Engine and a Hopper")() is None
+    assert _check(delayed, "fp8")() is None
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (10, 0))
-    assert _check(mx, "Transformer Engine and a Hopper")() is None
+    assert _check(mx, "fp8")() is None
 
 
 def test_tp_must_divide_the_ffn_width(tmp_path):
@@ -144,9 +145,9 @@ def test_world_size_check_names_the_keys(monkeypatch):
     with pytest.raises(RuntimeError, match=r"world size 1 \(trainer.nproc_per_node\) is not divisible by "
                                            r"trainer.tensor_model_parallel_size x .* = 2 x 1 x 1 = 2: set "
                                            r"trainer.nproc_per_node to a multiple of 2"):
-        _check(cfg, "world size divisible")()
+        _check(cfg, "world_size")()
     monkeypatch.setenv("WORLD_SIZE", "3")
     with pytest.raises(RuntimeError, match=r"world size 3 \(WORLD_SIZE from the launcher"):
-        _check(cfg, "world size divisible")()
+        _check(cfg, "world_size")()
     monkeypatch.setenv("WORLD_SIZE", "4")
-    assert _check(cfg, "world size divisible")() is None
+    assert _check(cfg, "world_size")() is None

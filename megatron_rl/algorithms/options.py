@@ -1,0 +1,261 @@
+"""Names and options of every algorithm variant, importable without torch (the config's choices).
+
+Each policy loss, advantage estimator and DAA factor registers here, by name, a small kw_only
+dataclass of its options: field names are the config keys (`actor.gspo_clip_low`, verl's names
+where verl has one) and, for the policy losses, the keyword arguments of the implementation, so
+`fn(..., **options_of(GSPOOptions, cfg.actor))` needs no hand-written mapping. An entry also
+declares what the rest of the code needs to know about it (`EstimatorSpec.needs_response_mask`,
+`group_relative`, `daa`), so no caller switches on a name.
+
+Why a torch-free module beside the implementations rather than the dataclasses inside them:
+`megatron_rl.config` lists the allowed names and checks the options at load time without torch
+(DESIGN.md Layout; `--dry-run` on a laptop), and `losses.py`, `advantages.py`, `daa.py` import
+torch at the top. The implementations register their functions under the same names in their own
+registries (`POLICY_LOSSES`, `ADV_ESTIMATORS`), check at import that the two sets agree, and
+`tests/unit/test_registries.py` pins both. Adding a policy loss = its options here + its function
+in `losses.py` + the pinned names; the schema, the trainer and the loop pick it up by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from megatron_rl.errors import ConfigError
+from megatron_rl.registry import Registry
+
+
+def check_choice(key: str, value: Any, allowed) -> None:
+    """Raise `ConfigError` naming `key` unless `value` is one of `allowed`."""
+    if value not in allowed:
+        raise ConfigError(
+            f"{key}: {value!r} is not allowed; choose one of "
+            f"{', '.join('null' if a is None else repr(a) for a in allowed)}"
+        )
+
+
+def check_positive(key: str, value: Any, *, allow_zero: bool = False) -> None:
+    """Raise `ConfigError` naming `key` unless `value` is None or a finite number > 0 (>= 0)."""
+    if value is None:
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}: {value!r} must be a finite number")
+    if (value < 0) if allow_zero else (value <= 0):
+        raise ConfigError(f"{key}: {value!r} must be {'>= 0' if allow_zero else '> 0'}")
+
+
+class Options:
+    """Base of every options dataclass. `__post_init__` runs the `_check` of each class in the
+    MRO once, so a config section built from several options classes checks all of them."""
+
+    def __post_init__(self) -> None:
+        for cls in reversed(type(self).__mro__):
+            check = cls.__dict__.get("_check")
+            if check is not None:
+                check(self)
+
+
+def options_of(options_cls: type, section: Any) -> dict[str, Any]:
+    """The fields of `options_cls` read from a config section that holds them (e.g. `cfg.actor`):
+    the keyword arguments of the registered implementation."""
+    return {f.name: getattr(section, f.name) for f in dataclasses.fields(options_cls)}
+
+
+def option_bases(*classes: type) -> tuple[type, ...]:
+    """`classes` without duplicates and without classes another one already derives from, in
+    order: the bases of a config section that carries the options of every registered entry."""
+    unique = list(dict.fromkeys(classes))
+    return tuple(c for c in unique if not any(o is not c and issubclass(o, c) for o in unique))
+
+
+# ---- policy losses (implementations: losses.py) -----------------------------------------------
+
+POLICY_LOSS_OPTIONS: Registry[type] = Registry("policy loss")
+"""`actor.policy_loss` name -> options dataclass (its fields are the loss function's keywords)."""
+
+
+@POLICY_LOSS_OPTIONS.register("vanilla")
+@dataclass(kw_only=True)
+class VanillaOptions(Options):
+    """Decoupled PPO clip with dual clip (arXiv 1707.06347, 2503.14476, 1912.09729)."""
+
+    clip_ratio_low: float = 0.2
+    """eps_low of the PPO clip: token ratios below 1 - clip_ratio_low are clipped; in (0, 1).
+    Default 0.2. verl: `actor_rollout_ref.actor.clip_ratio_low`."""
+    clip_ratio_high: float = 0.2
+    """eps_high of the PPO clip: token ratios above 1 + clip_ratio_high are clipped; > 0. Default 0.2;
+    DAPO's clip-higher uses 0.28. verl: `actor_rollout_ref.actor.clip_ratio_high`."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip bound c: where the advantage A < 0 the token loss is capped at -c*A; must be > 1.
+    Default 3.0. verl: `actor_rollout_ref.actor.clip_ratio_c`."""
+
+    def _check(self) -> None:
+        if self.clip_ratio_c <= 1.0:
+            raise ConfigError(f"actor.clip_ratio_c: {self.clip_ratio_c!r} must be > 1 (dual-clip)")
+        check_positive("actor.clip_ratio_low", self.clip_ratio_low)
+        check_positive("actor.clip_ratio_high", self.clip_ratio_high)
+
+
+@POLICY_LOSS_OPTIONS.register("gspo")
+@dataclass(kw_only=True)
+class GSPOOptions(Options):
+    """GSPO, sequence-level ratio (arXiv 2507.18071); defined with `seq-mean-token-mean`."""
+
+    gspo_clip_low: float = 3e-4
+    """Lower clip of GSPO's sequence ratio: ratios below 1 - gspo_clip_low are clipped; > 0.
+    Default 3e-4 (the paper's). verl reuses `clip_ratio_low` for GSPO; here it has its own key."""
+    gspo_clip_high: float = 4e-4
+    """Upper clip of GSPO's sequence ratio: ratios above 1 + gspo_clip_high are clipped; > 0.
+    Default 4e-4 (the paper's). verl reuses `clip_ratio_high` for GSPO; here it has its own key."""
+
+    def _check(self) -> None:
+        check_positive("actor.gspo_clip_low", self.gspo_clip_low)
+        check_positive("actor.gspo_clip_high", self.gspo_clip_high)
+
+
+@POLICY_LOSS_OPTIONS.register("cispo")
+@dataclass(kw_only=True)
+class CISPOOptions(Options):
+    """CISPO, clipped importance-sampling weights (MiniMax-M1, arXiv 2506.13585)."""
+
+    cispo_clip_low: Optional[float] = None
+    """eps_low of CISPO: the detached importance weight is raised to at least 1 - cispo_clip_low;
+    None (default, as the paper) = no lower bound. No verl name."""
+    cispo_clip_high: float = 0.28
+    """eps_high of CISPO: the detached importance weight is capped at 1 + cispo_clip_high; > 0.
+    Default 0.28. No verl name."""
+
+    def _check(self) -> None:
+        check_positive("actor.cispo_clip_high", self.cispo_clip_high)
+
+
+LOSS_AGG_MODE_NAMES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+"""`actor.loss_agg_mode` names (implementations: aggregation.py's `LOSS_AGG_MODES`)."""
+
+KL_TYPE_NAMES = ("k1", "k2", "k3", "low_var_kl")
+"""`actor.kl_loss_type` names (implementation: kl.py's `kl_penalty`; `low_var_kl` = `k3`)."""
+
+
+# ---- advantage estimators (implementations: advantages.py) ------------------------------------
+
+
+@dataclass(kw_only=True)
+class GroupStdOptions(Options):
+    """Options of an estimator that divides by a standard deviation."""
+
+    grpo_std: str = "unbiased"
+    """Variance convention of every std the estimator takes (GRPO's group std, REINFORCE++'s
+    whitening): `unbiased` (Bessel, n - 1, as verl; default) | `population` (n)."""
+
+    def _check(self) -> None:
+        check_choice("algorithm.grpo_std", self.grpo_std, ("unbiased", "population"))
+
+
+@dataclass(kw_only=True)
+class GRPOOptions(GroupStdOptions):
+    """GRPO (DeepSeekMath, arXiv 2402.03300); without std normalisation Dr. GRPO (arXiv 2503.20783)."""
+
+    norm_adv_by_std_in_grpo: bool = True
+    """Divide GRPO's centred rewards by the group std (default true). False + `actor.loss_agg_mode`
+    seq-mean-token-sum-norm = Dr. GRPO. verl: `algorithm.norm_adv_by_std_in_grpo`."""
+
+
+@dataclass(kw_only=True)
+class RLOOOptions(Options):
+    """RLOO (arXiv 2402.14740): leave-one-out mean baseline; no options."""
+
+
+@dataclass(kw_only=True)
+class ReinforcePlusPlusBaselineOptions(GroupStdOptions):
+    """REINFORCE++ with a group-mean baseline and batch token whitening (arXiv 2501.03262)."""
+
+
+@dataclass(frozen=True)
+class EstimatorSpec:
+    """What the rest of the code needs to know about an advantage estimator.
+
+    Attributes:
+        options: its options dataclass (fields live in `algorithm.*`).
+        group_relative: it compares the responses of one prompt, so it needs `rollout.n >= 2`.
+        needs_response_mask: it takes `response_mask [N, S]` (True = generated token).
+        daa: DA3PO's amplification applies to its advantages (positive = better than the group).
+    """
+
+    options: type
+    group_relative: bool
+    needs_response_mask: bool = False
+    daa: bool = False
+
+
+ADV_ESTIMATOR_SPECS: Registry[EstimatorSpec] = Registry("advantage estimator")
+"""`algorithm.adv_estimator` name -> `EstimatorSpec`."""
+ADV_ESTIMATOR_SPECS.register("grpo")(EstimatorSpec(GRPOOptions, group_relative=True, daa=True))
+ADV_ESTIMATOR_SPECS.register("rloo")(EstimatorSpec(RLOOOptions, group_relative=True, daa=True))
+ADV_ESTIMATOR_SPECS.register("reinforce_plus_plus_baseline")(
+    EstimatorSpec(ReinforcePlusPlusBaselineOptions, group_relative=True, needs_response_mask=True)
+)
+
+
+def check_group_size(*, rollout_n: int, adv_estimator: str | None = None, filter_groups: bool = False) -> None:
+    """The one group-size check (config load, `advantages.check_group_size`,
+    `dynamic_sampling.validate_dynamic_sampling`): dynamic sampling and a group-relative estimator
+    both need at least 2 responses a prompt (CASES B02/B11). Raises `ConfigError` naming `rollout.n`."""
+    if rollout_n >= 2:
+        return
+    if filter_groups:
+        raise ConfigError(
+            f"rollout.n ({rollout_n}) must be >= 2 with algorithm.filter_groups.enable=true: every group of "
+            f"{rollout_n} response(s) has zero std, so no group would ever be kept; raise rollout.n or disable "
+            "filtering"
+        )
+    if adv_estimator is not None and ADV_ESTIMATOR_SPECS.get(adv_estimator).group_relative:
+        raise ConfigError(
+            f"rollout.n ({rollout_n}) must be >= 2 for the group-relative estimator algorithm.adv_estimator="
+            f"{adv_estimator!r} (it compares the responses of one prompt; with one every advantage is 0)"
+        )
+
+
+# ---- DA3PO amplification factors (implementation: daa.py) --------------------------------------
+
+
+@dataclass(kw_only=True)
+class DAAFactorOptions(Options):
+    """Options every DAA factor shares: which groups count as hard, and the cap."""
+
+    hard_threshold: float = 0.5
+    """Groups whose estimated success rate q_hat is below this are amplified; in (0, 1]. Default 0.5."""
+    max_factor: float = 8.0
+    """Cap of the amplification factor; >= 1. Default 8.0."""
+
+    def _check(self) -> None:
+        if not 0.0 < self.hard_threshold <= 1.0:
+            raise ConfigError(f"algorithm.daa.hard_threshold: {self.hard_threshold!r} must be in (0, 1]")
+        if self.max_factor < 1.0:
+            raise ConfigError(f"algorithm.daa.max_factor: {self.max_factor!r} must be >= 1")
+
+
+@dataclass(kw_only=True)
+class BalancedFactorOptions(DAAFactorOptions):
+    """`clamp(beta(q_hat), 1, max_factor)`, beta from the group size (ALGORITHMS.md section 4)."""
+
+
+@dataclass(kw_only=True)
+class PowerFactorOptions(DAAFactorOptions):
+    """`clamp((hard_threshold / q_hat) ** gamma, 1, max_factor)`."""
+
+    gamma: float = 1.0
+    """Exponent of the power factor; > 0. Default 1.0 (used only with `factor: power`)."""
+
+    def _check(self) -> None:
+        check_positive("algorithm.daa.gamma", self.gamma)
+
+
+DAA_FACTOR_OPTIONS: Registry[type] = Registry("DAA factor")
+"""`algorithm.daa.factor` name -> options dataclass (keywords of `daa.daa_factor`)."""
+DAA_FACTOR_OPTIONS.register("balanced")(BalancedFactorOptions)
+DAA_FACTOR_OPTIONS.register("power")(PowerFactorOptions)
+
+DAA_DIFFICULTY_MODES = ("group", "conditional", "history")
+"""`algorithm.daa.difficulty` names (daa.py's `DifficultyTracker.estimate`)."""

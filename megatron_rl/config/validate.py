@@ -1,0 +1,142 @@
+"""Cross-section static checks of a `Config` (DESIGN.md "Configuration checks"), run by `load_config`.
+
+Facts local to one section are checked in the schema's `__post_init__`; the checks that need the
+launch environment (world size, files, GPUs, servers) are `megatron_rl.trainer.preflight`'s.
+Imports only the standard library and the registries' names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from megatron_rl.algorithms.options import ADV_ESTIMATOR_SPECS, check_group_size
+from megatron_rl.config.schema import Config
+from megatron_rl.errors import ConfigError
+
+
+def _check_finite(obj: Any, prefix: str = "") -> None:
+    """Every float in the config is finite (YAML reads `.nan` and `.inf`)."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            _check_finite(value, key + ".")
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key}: {value!r} must be a finite number")
+
+
+def validate_config(cfg: Config) -> None:
+    """Cross-section static checks (DESIGN.md "Configuration checks"); raise `ConfigError` naming keys."""
+    _check_finite(cfg)
+    d, a, alg, r = cfg.data, cfg.actor, cfg.algorithm, cfg.rollout
+    if not str(cfg.run_dir).strip():
+        raise ConfigError("run_dir: must not be empty (the folder for checkpoints, metrics and logs)")
+    for key in ("path", "tokenizer_path", "hf_config_path"):
+        if getattr(cfg.model, key) == "":
+            raise ConfigError(f"model.{key}: must not be empty (unset it instead)")
+    from megatron_rl.data.dataset import DATASET_ADAPTERS as ADAPTERS
+    from megatron_rl.rewards.registry import REWARD_FNS
+
+    if cfg.reward.reward_fn not in REWARD_FNS:
+        raise ConfigError(f"reward.reward_fn: {cfg.reward.reward_fn!r} is not registered; choose one of "
+                         f"{', '.join(map(repr, REWARD_FNS.names()))}")
+    for key in ("train_adapter", "val_adapter"):
+        if getattr(d, key) not in ADAPTERS:
+            raise ConfigError(f"data.{key}: {getattr(d, key)!r} is not a dataset adapter; choose one of "
+                             f"{', '.join(map(repr, ADAPTERS.names()))}")
+    if alg.filter_groups.enable and r.temperature == 0:
+        raise ConfigError(
+            "algorithm.filter_groups.enable with rollout.temperature=0: greedy decoding gives n identical "
+            "responses, every group is filtered out and the batch can never fill"
+        )
+    gen = d.gen_batch_size or d.train_batch_size
+    if gen < d.train_batch_size and not alg.filter_groups.enable:
+        raise ConfigError(
+            f"data.gen_batch_size ({gen}) < data.train_batch_size ({d.train_batch_size}) without dynamic sampling"
+        )
+    if d.train_batch_size % a.ppo_mini_batch_size:
+        raise ConfigError(
+            f"data.train_batch_size ({d.train_batch_size}) must be a multiple of actor.ppo_mini_batch_size "
+            f"({a.ppo_mini_batch_size})"
+        )
+    check_group_size(rollout_n=r.n, adv_estimator=alg.adv_estimator, filter_groups=alg.filter_groups.enable)
+    ob = cfg.reward.overlong_buffer
+    if ob.enable and ob.len >= d.max_response_length:
+        raise ConfigError(
+            f"reward.overlong_buffer.len ({ob.len}) must be < data.max_response_length ({d.max_response_length})"
+        )
+    if alg.daa.enable and not ADV_ESTIMATOR_SPECS.get(alg.adv_estimator).daa:
+        with_daa = [n for n in ADV_ESTIMATOR_SPECS.names() if ADV_ESTIMATOR_SPECS.get(n).daa]
+        raise ConfigError(
+            f"algorithm.daa.enable needs a group-relative estimator ({', '.join(with_daa)}); got {alg.adv_estimator!r}"
+        )
+    if a.policy_loss == "gspo" and a.loss_agg_mode != "seq-mean-token-mean":
+        raise ConfigError(
+            f"actor.policy_loss gspo is defined with actor.loss_agg_mode seq-mean-token-mean; got {a.loss_agg_mode!r}"
+        )
+    if a.use_kl_loss and a.kl_loss_coef <= 0:
+        raise ConfigError("actor.use_kl_loss: true needs actor.kl_loss_coef > 0")
+    if cfg.eval.n < 1:
+        raise ConfigError("eval.n must be >= 1")
+    longest = d.max_prompt_length + d.max_response_length
+    if cfg.trainer.sequence_parallel:  # rows are padded to a multiple of TP
+        longest = -(-longest // cfg.trainer.tensor_model_parallel_size) * cfg.trainer.tensor_model_parallel_size
+    if a.token_budget is not None and a.token_budget < longest:
+        raise ConfigError(
+            f"actor.max_tokens_per_micro_batch ({a.token_budget}) is smaller than one sequence of up to "
+            f"data.max_prompt_length + data.max_response_length = {longest} tokens (padded); raise it to at least that"
+        )
+    t = cfg.trainer
+    if t.context_parallel_size > 1:
+        raise ConfigError(
+            f"trainer.context_parallel_size={t.context_parallel_size}: this trainer does not implement context "
+            "parallelism: it does not split each sequence over the context-parallel ranks (megatron-core's "
+            "get_batch_on_this_cp_rank chunks) nor gather the per-token log-probs back, and megatron-core runs it only "
+            "in Transformer Engine's attention (TEDotProductAttention; its local attention asserts "
+            "context_parallel_size == 1). Set trainer.context_parallel_size=1 and use tensor/pipeline/data parallelism"
+        )
+    if t.sequence_parallel and t.tensor_model_parallel_size == 1:
+        raise ConfigError("trainer.sequence_parallel needs trainer.tensor_model_parallel_size > 1")
+    if cfg.model.path is None and cfg.model.hf_config_path is None:
+        raise ConfigError("model.path (a Hugging Face model folder) is required")
+    _check_model_layout(cfg)
+
+
+def _check_model_layout(cfg: Config) -> None:
+    """Static checks of the parallel layout against the model's config.json, when it is readable."""
+    cands = [Path(cfg.model.path) / "config.json"] if cfg.model.path else []
+    if cfg.model.hf_config_path:
+        cands.append(Path(cfg.model.hf_config_path))
+    src = next((c for c in cands if c.is_file()), None)
+    if src is None:
+        return
+    try:
+        hf = json.loads(src.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{src}: not valid JSON ({e})") from None
+    t = cfg.trainer
+    tp, pp = t.tensor_model_parallel_size, t.pipeline_model_parallel_size
+    heads = hf.get("num_attention_heads")
+    kv = hf.get("num_key_value_heads", heads)
+    layers = hf.get("num_hidden_layers")
+    if heads and heads % tp:
+        raise ConfigError(f"trainer.tensor_model_parallel_size {tp} must divide num_attention_heads {heads} ({src})")
+    if kv and kv % tp:
+        raise ConfigError(f"trainer.tensor_model_parallel_size {tp} must divide num_key_value_heads {kv} ({src})")
+    ffn = hf.get("intermediate_size")
+    if ffn and ffn % tp:
+        raise ConfigError(f"trainer.tensor_model_parallel_size {tp} must divide intermediate_size {ffn} ({src})")
+    if layers and layers % pp:
+        raise ConfigError(f"trainer.pipeline_model_parallel_size {pp} must divide num_hidden_layers {layers} ({src})")
+    max_pos = hf.get("max_position_embeddings")
+    d = cfg.data
+    longest = d.max_prompt_length + max(d.max_response_length, cfg.eval.max_response_length or 0)
+    if max_pos and longest > max_pos:
+        raise ConfigError(
+            f"data.max_prompt_length + data.max_response_length (or eval.max_response_length) = {longest} exceeds "
+            f"the model's max_position_embeddings {max_pos} ({src})"
+        )
