@@ -56,9 +56,14 @@ def _train(argv: list[str]) -> int:
     except TrainingInterrupted as e:
         print(f"megatron-rl train: {e}", file=sys.stderr)
         return 75  # EX_TEMPFAIL: not finished, resumable
-    except KeyboardInterrupt:
-        print(f"megatron-rl train: interrupted (Ctrl-C); the last checkpoint in {cfg.run_dir}/checkpoints "
-              "is intact, rerun the same command to resume from it", file=sys.stderr)
+    except KeyboardInterrupt:  # Ctrl-C before the trainer's handler was installed, or with it off
+        from megatron_rl.checkpoint.save import latest_checkpoint
+
+        latest = latest_checkpoint(cfg.run_dir)
+        where = (f"the newest checkpoint on disk is step {latest} in {cfg.run_dir}/checkpoints; rerun the same "
+                 "command to resume from it" if latest is not None else
+                 f"no checkpoint was written in {cfg.run_dir}; rerun the same command to start again from step 0")
+        print(f"megatron-rl train: interrupted (Ctrl-C); {where}", file=sys.stderr)
         return 130
     except Exception as e:  # every error: one clear line here, the traceback in train.log
         import traceback

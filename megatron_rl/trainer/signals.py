@@ -1,4 +1,5 @@
-"""Stopping a run cleanly: SIGTERM / SIGUSR1 finish the step in flight, checkpoint, exit 75."""
+"""Stopping a run cleanly: SIGTERM / SIGUSR1 / SIGINT (Ctrl-C) finish the step in flight,
+checkpoint, exit 75; a second signal stops the process at once."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -38,18 +40,24 @@ class TrainingInterrupted(Exception):
 
 
 class ExitSignal:
-    """SIGTERM / SIGUSR1 set a flag that the loop checks after each step (Megatron-LM's
-    `--exit-signal-handler`, Slurm's `--signal=USR1@T`); a second signal restores the default
-    action and re-raises it, so a stuck run can still be stopped.
+    """SIGTERM / SIGUSR1 / SIGINT set a flag that the loop checks after each step (Megatron-LM's
+    `--exit-signal-handler`, Slurm's `--signal=USR1@T`, Ctrl-C); a second signal restores the
+    system's default action (terminate) and re-raises it, so a stuck run can still be stopped.
+
+    A signal within `SAME_PRESS_S` seconds of the first counts as the same one: Ctrl-C in a
+    terminal reaches every local trainer rank directly and again through the local launcher,
+    which forwards signals to ranks started without a terminal.
 
     Args:
         enabled: install the handlers (only possible on the main thread; elsewhere a no-op).
     """
 
-    SIGNALS = ("SIGTERM", "SIGUSR1")
+    SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
+    SAME_PRESS_S = 1.0
 
     def __init__(self, enabled: bool) -> None:
         self.signal_name: str | None = None
+        self._first_at = 0.0
         self._previous: dict = {}
         if not enabled or threading.current_thread() is not threading.main_thread():
             return
@@ -59,12 +67,18 @@ class ExitSignal:
                 self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
-        if self.signal_name is not None:  # second signal: stop now
-            self.restore()
+        if self.signal_name is not None:
+            if time.monotonic() - self._first_at < self.SAME_PRESS_S:
+                return  # the same Ctrl-C, delivered twice
+            self.restore()  # second signal: the default action, now
+            signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
         self.signal_name = signal.Signals(signum).name
-        logger.warning("%s received: finishing the current step, then checkpoint and exit", self.signal_name)
+        self._first_at = time.monotonic()
+        again = "Ctrl-C" if signum == signal.SIGINT else self.signal_name
+        logger.warning("%s received: finishing the current step, then checkpoint and exit (%s again stops at once)",
+                       self.signal_name, again)
 
     def requested(self) -> bool:
         """True on every rank when any rank got a signal (a MAX all-reduce when world size > 1)."""

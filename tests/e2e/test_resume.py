@@ -232,3 +232,59 @@ def test_sigterm_to_the_process_group_still_checkpoints(reference, tmp_path):
     assert proc.returncode == 75, err[-3000:]
     assert max(_step_rows(run_dir)) == _latest(run_dir)
     assert _no_server_left(run_dir, timeout_s=5)
+
+
+def test_ctrl_c_before_any_checkpoint_finishes_the_step_and_checkpoints(reference, tmp_path):
+    """Ctrl-C in a terminal (SIGINT to the whole process group) behaves like SIGTERM, also when no
+    checkpoint exists yet (save_interval 0): the step in flight is finished and checkpointed, the
+    process exits 75 saying where the checkpoint is, and the same command resumes from it with the
+    uninterrupted run's metrics. A second Ctrl-C (more than a second later) stops at once."""
+    pool, ref, _ = reference
+    run_dir = tmp_path / "ctrlc"
+    cmd = _cmd(run_dir, pool, "trainer.save_interval=0", "trainer.save_last=false")
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        metrics = run_dir / "metrics.jsonl"
+        while not (metrics.exists() and "train/acc" in metrics.read_text()):
+            assert proc.poll() is None, f"run exited with {proc.returncode} before step 1"
+            assert time.monotonic() < deadline, "no step after 600 s"
+            time.sleep(0.1)
+        assert _latest(run_dir) == 0  # nothing on disk yet
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 75, err[-3000:]
+    k = _latest(run_dir)
+    assert k >= 1 and max(_step_rows(run_dir)) == k
+    assert f"stopped by a signal after step {k}; checkpoint in {run_dir}/checkpoints" in err
+    assert _no_server_left(run_dir, timeout_s=5)
+    if k < STEPS:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=ROOT)
+        assert out.returncode == 0, out.stderr[-3000:]
+        rows = _step_rows(run_dir)
+        for step in range(k + 1, STEPS + 1):
+            _assert_same_step(rows[step], dict(ref[step]), step)
+
+    # a second Ctrl-C stops at once (the process dies of SIGINT, without finishing the step)
+    run_dir2 = tmp_path / "ctrlc2"
+    proc = subprocess.Popen(_cmd(run_dir2, pool), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, start_new_session=True)
+    try:
+        log = run_dir2 / "train.log"
+        deadline = time.monotonic() + 600
+        while "weight sync" not in (log.read_text() if log.exists() else ""):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(1.5)
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == -signal.SIGINT
+    assert _no_server_left(run_dir2, timeout_s=30)
