@@ -130,7 +130,7 @@ def _launch_local_ranks(nproc: int, argv: list[str]) -> int:
 
 
 def _rollout_server(argv: list[str]) -> int:
-    from megatron_rl.rollout.server import main as server_main
+    from megatron_rl.engine.server import main as server_main
 
     return server_main(argv) or 0
 
