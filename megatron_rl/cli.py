@@ -163,7 +163,7 @@ def _config_keys(argv: list[str]) -> int:
 
 
 def _rollout_server(argv: list[str]) -> int:
-    from megatron_rl.rollout.server import main as server_main
+    from megatron_rl.engine.server import main as server_main
 
     return server_main(argv) or 0
 

@@ -1,6 +1,6 @@
 """Start and stop rollout servers as subprocesses, one interface for both backends.
 
-``embedded``: ``python -m megatron_rl.rollout.server`` (the project's HF server; ``--parent-pid``
+``embedded``: ``python -m megatron_rl.engine`` (the project's HF server; ``--parent-pid``
 watchdog). ``sglang``: ``<python> -m sglang.launch_server`` with SGLang 0.5.23's flags, run by the
 interpreter of SGLang's own environment (it pins its own torch), under
 ``megatron_rl.rollout.watchdog`` so that it dies with the trainer. Every server gets explicit,
@@ -184,7 +184,7 @@ def build_embedded_command(
 ) -> list[str]:
     """Command line of the embedded server (``--parent-pid``: it exits when this process dies)."""
     return [
-        sys.executable, "-m", "megatron_rl.rollout.server", "--model-path", str(model_path), "--host", host,
+        sys.executable, "-m", "megatron_rl.engine", "--model-path", str(model_path), "--host", host,
         "--port", str(port), "--parent-pid", str(os.getpid()), *[str(a) for a in extra_args],
     ]
 
@@ -362,7 +362,7 @@ def launch_rollout_server(
     startup_timeout_s: float = 120.0,
     env: dict[str, str] | None = None,
 ) -> ServerProcess:
-    """Start the embedded server (``python -m megatron_rl.rollout.server``) and wait until ``/health`` answers.
+    """Start the embedded server (``python -m megatron_rl.engine``) and wait until ``/health`` answers.
 
     Args:
         model_path: HF checkpoint directory.

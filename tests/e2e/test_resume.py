@@ -88,7 +88,7 @@ def _wait_for_checkpoint(proc: subprocess.Popen, run_dir: Path, step: int, timeo
 def _no_server_left(run_dir: Path, timeout_s: float = 30.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        left = subprocess.run(["pgrep", "-f", f"rollout.server.*{run_dir}"], capture_output=True, text=True)
+        left = subprocess.run(["pgrep", "-f", f"megatron_rl.engine.*{run_dir}"], capture_output=True, text=True)
         if not left.stdout.strip():
             return True
         time.sleep(0.5)

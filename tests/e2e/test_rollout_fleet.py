@@ -59,7 +59,7 @@ FAKE_SGLANG = textwrap.dedent('''
     nccl.listen()
     with open(os.path.join(os.environ["FAKE_SGLANG_RECORD"], f"{args.port}.json"), "w") as f:
         json.dump(sys.argv[1:], f)
-    from megatron_rl.rollout.server import main
+    from megatron_rl.engine.server import main
     argv = ["--model-path", args.model_path, "--host", args.host, "--port", str(args.port),
             "--parent-pid", str(os.getppid())]
     for flag in ("random_seed", "dtype", "weight_version", "api_key", "admin_api_key"):

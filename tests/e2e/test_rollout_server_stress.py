@@ -171,7 +171,8 @@ def test_pause_abort_reaches_requests_being_prefilled(model_dir):
     """pause(abort) arriving while the scheduler prefills new requests aborts them too."""
     from transformers import AutoModelForCausalLM
 
-    from megatron_rl.rollout.server import GenerationEngine, SamplingParams, _Request
+    from megatron_rl.engine.batching import GenerationEngine, Request as _Request
+    from megatron_rl.engine.sampling import SamplingParams
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     engine = GenerationEngine(model, eos_token_ids=[EOS])

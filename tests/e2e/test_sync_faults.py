@@ -1,6 +1,6 @@
 """Weight-sync failures with a multi-process trainer (TP=2, two ranks): the real CLI, a real embedded
 rollout server told to refuse chosen ``/update_weights_from_distributed`` calls (its fault-injection
-variable, ``megatron_rl.rollout.server.FAULT_REFUSE_UPDATES_ENV``). One refused sync is retried with
+variable, ``megatron_rl.engine.test_hooks.FAULT_REFUSE_UPDATES_ENV``). One refused sync is retried with
 a new group and the run's metrics equal those of a run without faults; two in a row stop every
 rank promptly with the error naming the version, the last complete checkpoint intact, no server
 left behind (issue 5: "a sync that fails is retried once, then the run stops with a clear error").
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rl.rollout.server import FAULT_REFUSE_UPDATES_ENV
+from megatron_rl.engine.test_hooks import FAULT_REFUSE_UPDATES_ENV
 from tests.e2e.test_resume import _no_server_left, _wall_clock
 
 ROOT = Path(__file__).resolve().parents[2]

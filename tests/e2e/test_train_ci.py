@@ -60,5 +60,5 @@ def test_ci_recipe_end_to_end(tmp_path):
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "3"
     assert (ckpt / "iter_0000003" / "run_state.json").is_file()
     assert (run_dir / "config.yaml").is_file() and (run_dir / "tensorboard").is_dir()
-    left = subprocess.run(["pgrep", "-f", f"rollout.server.*{run_dir}"], capture_output=True, text=True)
+    left = subprocess.run(["pgrep", "-f", f"megatron_rl.engine.*{run_dir}"], capture_output=True, text=True)
     assert left.stdout.strip() == ""

@@ -41,7 +41,7 @@ def _train(args, run_dir, timeout=420):
 
 
 def _no_server_left(run_dir: Path) -> bool:
-    out = subprocess.run(["pgrep", "-f", f"rollout.server.*{run_dir}"], capture_output=True, text=True)
+    out = subprocess.run(["pgrep", "-f", f"megatron_rl.engine.*{run_dir}"], capture_output=True, text=True)
     return out.stdout.strip() == ""
 
 

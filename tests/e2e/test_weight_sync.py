@@ -316,7 +316,7 @@ def test_a_refused_later_bucket_marks_the_version_partial(tmp_path):
     import subprocess
     import sys
 
-    from megatron_rl.rollout.server import FAULT_REFUSE_UPDATES_ENV
+    from megatron_rl.engine.test_hooks import FAULT_REFUSE_UPDATES_ENV
 
     model_dir = tmp_path / "model"
     _save_model(model_dir)

@@ -41,7 +41,7 @@ def test_embedded_command_watches_this_process():
     import os
 
     cmd = build_embedded_command("/m", host="127.0.0.1", port=5, extra_args=["--dtype", "float32"])
-    assert cmd[1:] == ["-m", "megatron_rl.rollout.server", "--model-path", "/m", "--host", "127.0.0.1", "--port", "5",
+    assert cmd[1:] == ["-m", "megatron_rl.engine", "--model-path", "/m", "--host", "127.0.0.1", "--port", "5",
                        "--parent-pid", str(os.getpid()), "--dtype", "float32"]
 
 
