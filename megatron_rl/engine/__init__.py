@@ -17,7 +17,8 @@ Modules, lowest first (none imports the trainer, the rollout client side or the 
 - ``bodies``: request bodies and the client-error answer (``RequestError``) of the HTTP API;
 - ``sampling``: the sampling contract: ``SamplingParams``, ``parse_sampling_params``, one token draw;
 - ``batching``: ``GenerationEngine``, the batched, KV-cached scheduler thread;
-- ``session``: the receiver's weight-update session (``UpdateSession``) and the model-update lock;
+- the receiver's weight-update session (``UpdateSession``) and the model-update lock live in
+  ``megatron_rl.weight_sync.session`` (DESIGN.md "Layout": the weight path is in ``weight_sync``);
 - ``test_hooks``: fault injection driven by environment variables, for tests only;
 - ``app``: the FastAPI app (thin handlers over the engine and the session);
 - ``server`` / ``__main__``: flags, model loading, parent watchdog, ``main()``.

@@ -1,7 +1,7 @@
 """The embedded server's HTTP app: SGLang 0.5.23's endpoints, bodies, answers and auth over FastAPI.
 
 Handlers are thin: parse the body (``megatron_rl.engine.bodies``), call the generation engine
-(``megatron_rl.engine.batching``) or the update session (``megatron_rl.engine.session``), answer.
+(``megatron_rl.engine.batching``) or the update session (``megatron_rl.weight_sync.session``), answer.
 Routes come in groups, one function each: auth, info and health, generation, generation control,
 weight updates. ``RequestError`` answers with its own status and body; ``SessionError`` answers
 400 ``{"success": false, "message": ...}``. Blocking calls (pause, abort, group rendezvous,
@@ -45,7 +45,7 @@ from megatron_rl.engine.bodies import (
     validation_text,
 )
 from megatron_rl.engine.sampling import SamplingParams, parse_sampling_params
-from megatron_rl.engine.session import ModelUpdateLock, SessionError, UpdateSession
+from megatron_rl.weight_sync.session import ModelUpdateLock, SessionError, UpdateSession
 from megatron_rl.weight_sync.buckets import dtype_name
 
 logger = logging.getLogger(__name__)

@@ -18,8 +18,8 @@ import torch
 
 from megatron_rl.engine.app import ServerState, build_app
 from megatron_rl.engine.batching import GenerationEngine
-from megatron_rl.engine.session import UpdateSession
-from megatron_rl.engine.test_hooks import refused_update_calls
+from megatron_rl.weight_sync.session import UpdateSession
+from megatron_rl.engine.test_hooks import FAULT_REFUSE_UPDATES_ENV, refused_update_calls
 from megatron_rl.weight_sync.buckets import dtype_from_name
 
 logger = logging.getLogger(__name__)
@@ -172,7 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         deterministic=args.enable_deterministic_inference,
         weight_version=args.weight_version,
     )
-    session = UpdateSession(engine, group_timeout_s=args.weight_sync_timeout_s, refused_calls=refused_update_calls())
+    session = UpdateSession(engine, group_timeout_s=args.weight_sync_timeout_s, refused_calls=refused_update_calls(),
+                            refused_by=FAULT_REFUSE_UPDATES_ENV)
     state = ServerState(engine=engine, session=session, model_path=args.model_path, dtype=torch_dtype, args=args)
     app = build_app(state)
     logger.info(

@@ -1,4 +1,4 @@
-"""The receiver's weight-update session (megatron_rl.engine.session) without HTTP: open/close, call
+"""The receiver's weight-update session (megatron_rl.weight_sync.session) without HTTP: open/close, call
 numbering, the refuse rule, the "+partial" rule, groups, the receive buffer, the model-update lock,
 and the fault-injection test hook. Broadcasts run on a real one-rank gloo group (rank 0 sends to
 itself, so received tensors keep what they held); a broken collective is simulated by patching
@@ -13,7 +13,7 @@ import threading
 import pytest
 import torch
 
-from megatron_rl.engine.session import (
+from megatron_rl.weight_sync.session import (
     PARTIAL_VERSION_SUFFIX,
     ModelUpdateLock,
     SessionError,
@@ -51,7 +51,8 @@ class FakeTarget:
 
 
 def _session(target: FakeTarget | None = None, refused_calls: frozenset[int] = frozenset()) -> UpdateSession:
-    return UpdateSession(target or FakeTarget(), group_timeout_s=30, refused_calls=refused_calls)
+    return UpdateSession(target or FakeTarget(), group_timeout_s=30, refused_calls=refused_calls,
+                         refused_by=FAULT_REFUSE_UPDATES_ENV)
 
 
 def _join(session: UpdateSession) -> str:

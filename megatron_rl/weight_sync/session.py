@@ -7,7 +7,7 @@ and the model-update lock that orders updates against generation.
 - one session at a time: ``begin`` opens it (a second ``begin`` is refused), ``end`` closes it
   (``end`` without ``begin`` is refused); an update call outside a session is refused;
 - each ``/update_weights_from_distributed`` call is numbered (1, 2, ...; the numbers the test hook
-  ``megatron_rl.engine.test_hooks.FAULT_REFUSE_UPDATES_ENV`` refers to), validated
+  the test hook ``megatron_rl.engine.test_hooks`` refers to), validated
   (``start_update``), then received and written (``receive``);
 - the ``+partial`` rule: once a call of the open session has written weights (``wrote``), any
   later refusal in that session leaves the weights a mix of two versions, so the target's
@@ -36,7 +36,6 @@ from typing import Any, Protocol
 
 import torch
 
-from megatron_rl.engine.test_hooks import FAULT_REFUSE_UPDATES_ENV
 from megatron_rl.weight_sync.buckets import BucketMeta, dtype_from_name, flattened_layout, unflatten_bucket
 
 logger = logging.getLogger(__name__)
@@ -95,14 +94,16 @@ class UpdateSession:
     Args:
         target: the weights and version label the session writes (the generation engine).
         group_timeout_s: rendezvous and collective timeout of the groups it joins, seconds.
-        refused_calls: call numbers to refuse on purpose (tests only; see ``test_hooks``).
+        refused_calls: call numbers to refuse on purpose (tests only; see ``megatron_rl.engine.test_hooks``).
+        refused_by: what set ``refused_calls``, named in the refusal (the hook's variable).
     """
 
     def __init__(self, target: WeightTarget, *, group_timeout_s: float = 600.0,
-                 refused_calls: frozenset[int] = frozenset()) -> None:
+                 refused_calls: frozenset[int] = frozenset(), refused_by: str = "the fault-injection test hook") -> None:
         self.target = target
         self.group_timeout_s = group_timeout_s
         self.refused_calls = refused_calls
+        self.refused_by = refused_by
         self.groups: dict[str, Any] = {}
         """Joined process groups by name."""
         self.is_open = False
@@ -203,10 +204,9 @@ class UpdateSession:
                 group. Every refusal but "outside a session" follows the ``+partial`` rule.
         """
         self.calls += 1
-        if self.calls in self.refused_calls:  # fault injection for tests (FAULT_REFUSE_UPDATES_ENV)
-            logger.warning("refusing update_weights_from_distributed call %d (%s)", self.calls,
-                           FAULT_REFUSE_UPDATES_ENV)
-            raise self.refusal(f"Failed to update weights: call {self.calls} refused by {FAULT_REFUSE_UPDATES_ENV}")
+        if self.calls in self.refused_calls:  # fault injection for tests
+            logger.warning("refusing update_weights_from_distributed call %d (%s)", self.calls, self.refused_by)
+            raise self.refusal(f"Failed to update weights: call {self.calls} refused by {self.refused_by}")
         if not self.is_open:
             raise SessionError(
                 "update_weights_from_distributed must run between begin_weight_update() and end_weight_update()"
