@@ -124,6 +124,25 @@ def da3po_one_process(tmp_path_factory):
     return _run_da3po(tmp_path_factory.mktemp("da3po_tp1") / "run")
 
 
+BEFORE = json.loads((ROOT / "tests/data/da3po_5step_before_redesign.json").read_text())
+
+
+def _assert_like_before(got: dict[int, dict], summary: dict, rel: float) -> None:
+    """The same tokens, loss and gradient norm per step as the trainer before the stages redesign."""
+    for step, want in BEFORE["steps"].items():
+        row = got[int(step)]
+        for key in ("rollout/token_checksum", "train/acc", "perf/generated_tokens"):
+            assert row[key] == want[key], (step, key)
+        for key in ("train/loss", "train/grad_norm"):
+            assert row[key] == pytest.approx(want[key], rel=rel), (step, key)
+    assert summary["eval_after"]["avg@2"] == BEFORE["eval_after"]["avg@2"]
+
+
+def test_da3po_recipe_matches_the_trainer_before_the_redesign(da3po_one_process):
+    got, summary = da3po_one_process
+    _assert_like_before(got, summary, rel=1e-6)
+
+
 DA3PO_SAME = ("rollout/token_checksum", "perf/generated_tokens", "train/acc", "train/score", "reward/failed",
               "reward/overlong_penalty_mean", "train/kept_groups", "train/num_gen_batches", "train/num_updates",
               "train/daa_amplified_frac")
@@ -145,4 +164,5 @@ def test_da3po_recipe_matches_one_process(da3po_one_process, tmp_path, tp, pp):
             assert got[step][key] == pytest.approx(want[step][key], rel=1e-4), (step, key)
     # the eval after five updates samples the same tokens too
     assert summary["eval_after"]["avg@2"] == want_summary["eval_after"]["avg@2"]
+    _assert_like_before(got, summary, rel=1e-4)
     assert summary["eval_after"]["greedy_acc"] == want_summary["eval_after"]["greedy_acc"]
