@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from megatron_rl.registry import Registry
 
-__all__ = ["EngineBackend", "ENGINE_BACKENDS", "RolloutEngine"]
+__all__ = ["EngineBackend", "ENGINE_BACKENDS", "RolloutEngine", "engine_backend"]
 
 
 class RolloutEngine(abc.ABC):
@@ -133,3 +133,14 @@ class EngineBackend:
 
 ENGINE_BACKENDS: Registry[EngineBackend] = Registry("rollout backend")
 """`rollout.backend` -> `EngineBackend`; registered in `megatron_rl.rollout.launcher`."""
+
+
+def engine_backend(name: str) -> EngineBackend:
+    """The registered backend `name` (`rollout.backend`), the built-in ones registered first.
+
+    Raises:
+        KeyError: unknown name (lists the valid ones).
+    """
+    import megatron_rl.rollout.launcher  # noqa: F401  (registers `embedded` and `sglang`)
+
+    return ENGINE_BACKENDS.get(name)

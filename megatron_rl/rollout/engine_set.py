@@ -13,7 +13,7 @@ import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
 
-from megatron_rl.rollout.engine import ENGINE_BACKENDS
+from megatron_rl.rollout.engine import engine_backend
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class EngineSet:
     def client(self, url: str, *, generate_timeout_s: float | None = None):
         """A new `RolloutEngine` client of the engine at `url` with the run's keys."""
         r = self.cfg.rollout
-        return ENGINE_BACKENDS.get(r.backend).client(
+        return engine_backend(r.backend).client(
             url, api_key=r.api_key, admin_api_key=r.admin_api_key, timeout_s=60.0,
             generate_timeout_s=generate_timeout_s or r.timeout_s)
 

@@ -257,13 +257,13 @@ def _restore(run: Run) -> None:
 
 def _sender_factory(cfg: Config, engines):
     """`(urls, group_name) -> WeightSyncSender` over new clients of those engines."""
-    from megatron_rl.rollout.engine import ENGINE_BACKENDS
+    from megatron_rl.rollout.engine import engine_backend
     from megatron_rl.weight_sync.sender import WeightSyncSender
 
     r, ws = cfg.rollout, cfg.weight_sync
 
     def make(urls: list[str], group_name: str):
-        clients = [ENGINE_BACKENDS.get(r.backend).client(u, api_key=r.api_key, admin_api_key=r.admin_api_key,
+        clients = [engine_backend(r.backend).client(u, api_key=r.api_key, admin_api_key=r.admin_api_key,
                                                           timeout_s=60.0, generate_timeout_s=r.timeout_s)
                    for u in urls]
         return WeightSyncSender(clients, master_address=ws.master_address,

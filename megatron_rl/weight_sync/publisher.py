@@ -223,8 +223,8 @@ class WeightPublisher:
                 self.sender = self.sender_factory(list(plan.urls), stage_group_name(self.pgs.pp_rank))
                 self._urls = tuple(plan.urls)
                 self.sender.init_group()
-        except (WeightSyncError, RolloutServerError) as e:
-            return f"stage {self.pgs.pp_rank}: {e}"
+        except Exception as e:  # noqa: BLE001 - shared with every rank (a rank that raised alone would
+            return f"stage {self.pgs.pp_rank}: {type(e).__name__}: {e}"  # leave the others in a collective)
         return None
 
     def _open_session(self) -> str | None:
@@ -243,10 +243,10 @@ class WeightPublisher:
         last = stage == len(self.sources) - 1
         try:
             stats = self.sender.send(weights, weight_version=str(plan.version) if last else None)
-        except WeightSyncError as e:
+        except Exception as e:  # noqa: BLE001 - shared with every rank, see _ensure_group
             for _ in weights:  # drain: the TP peers' gathers stay in step
                 pass
-            return StageReport(stage, f"stage {stage}: {e}")
+            return StageReport(stage, f"stage {stage}: {type(e).__name__}: {e}")
         return StageReport(stage, None, stats)
 
     def _stage_weights(self):
