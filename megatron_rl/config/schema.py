@@ -454,6 +454,12 @@ class WeightSyncConfig:
 class TrainerConfig:
     total_training_steps: int = 10
     """RL steps (verl's name)."""
+    max_generated_tokens: int = 0
+    """Token budget: the run stops after the first step whose running total of generated response
+    tokens (`perf/total_generated_tokens`: every sampled response, kept or filtered out, resumes
+    included) reaches this many tokens, exactly as after the last step (checkpoint with save_last,
+    final evaluation, summary.json with `steps` = that step). total_training_steps still bounds
+    the run and sets the LR schedule. Tokens, >= 0. Default 0 = no token budget."""
     seed: int = 1234
     """Seed of the model init, the prompt order and the sampling seeds. Default 1234."""
     save_interval: int = 0
@@ -520,6 +526,7 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         _positive("trainer", "total_training_steps", self.total_training_steps)
+        _positive("trainer", "max_generated_tokens", self.max_generated_tokens, allow_zero=True)
         _positive("trainer", "save_interval", self.save_interval, allow_zero=True)
         _positive("trainer", "keep_last_n_checkpoints", self.keep_last_n_checkpoints)
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size", "nproc_per_node"):
