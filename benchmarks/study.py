@@ -8,9 +8,9 @@ One command runs every training run one after another (the machine has 2 cores),
   order and torch);
 * one seed each of: DAPO without dynamic sampling (`algorithm.filter_groups.enable=false`,
   `data.gen_batch_size` = `data.train_batch_size` so that no generated group is thrown away), and
-  the DAA variants of docs/ALGORITHMS.md section 4 (`algorithm.daa.difficulty` group /
-  conditional / history x `algorithm.daa.factor` balanced / power; DA3PO itself is history +
-  balanced, the default).
+  the DAA variants of docs/ALGORITHMS.md section 4.2-4.3 (`algorithm.daa.difficulty` group /
+  posterior / history x `algorithm.daa.factor` balanced / power; DA3PO itself is the recipe's
+  default, the paper's rule as reported: `factor: constant`, lambda 2, `difficulty: group`).
 
 Every run starts from the same base model (`examples/tiny/base_model`) and trains on the same
 finite prompt pool: `--pool-size` rows of `examples/tiny/data/train.jsonl`, stratified by
@@ -18,21 +18,17 @@ difficulty level (first rows of each level in file order), so that prompts recur
 and the `history` difficulty estimator sees earlier groups of the same prompt. Held-out accuracy
 is the trainer's own evaluation (`eval.*`) on `examples/tiny/data/test.jsonl`.
 
-Token budget: the trainer has no stop on generated tokens, so the study implements it. It starts
-the run with a step cap it will not reach and reads `metrics.jsonl` while the run trains; once the
-row of step s shows `T_s + max(t_{s-4..s}) >= budget` (`T_s` = `perf/total_generated_tokens`,
-`t_r` = step r's `perf/generated_tokens`: step s+1 may reach the budget) it sends
-SIGTERM, the trainer finishes step s+1 (the step in flight), checkpoints and exits (code 75). The
-study then resumes the run with `trainer.total_training_steps=s+1`: no step is trained, the final
-evaluation (`eval_after`) runs on the step-(s+1) weights and `summary.json` is written. A run thus
-ends at or a little below the budget (by at most the spread of recent steps' token counts), above
-it only after an unusually large step; the exact count of every run is in the JSON. The step-0 (base model)
+Token budget: `trainer.max_generated_tokens` = the budget, with a step cap the run will not reach;
+the trainer stops after the first step whose running total of generated tokens
+(`perf/total_generated_tokens`) reaches the budget, exactly as after its last step (final
+evaluation `eval_after`, `summary.json`). A run thus ends at or above the budget, by less than
+its last step's tokens; the exact count of every run is in the JSON. The step-0 (base model)
 evaluation is the same for every run (same weights, same `eval.seed`), so only the first run
 launched does it (`eval.before_train`) and every curve starts from it.
 
-Resumable: a run dir with `summary.json` is done and skipped; a run interrupted after its budget
-stop goes straight to its final evaluation; one stopped with a checkpoint (SIGTERM to the study
-stops the run in flight that way) resumes from it; one without a checkpoint starts over.
+Resumable: a run dir with `summary.json` is done and skipped; one stopped with a checkpoint
+(SIGTERM to the study stops the run in flight that way) resumes from it with the same command (the
+trainer only finishes if its budget was reached); one without a checkpoint starts over.
 
     .venv/bin/python benchmarks/study.py                 # the full study (< 2 h on 2 CPU cores)
     .venv/bin/python benchmarks/study.py --quick         # CI: 1 seed x 3 algorithms, 2 steps each
@@ -66,7 +62,7 @@ MAIN_ALGORITHMS = ("grpo", "dapo", "da3po")
 MEAN_RESPONSE_TOKENS = 24
 """Mean response length of the base model at temperature 1.0 (23.7 tokens at step 1 of the tiny
 recipes); only used to place the periodic evaluations before a run has measured anything."""
-STOP_RULE = "SIGTERM once T_s + max(t_{s-4..s}) >= budget at step s; the run ends after step s+1"
+STOP_RULE = "trainer.max_generated_tokens = budget: the run ends after the first step s with T_s >= budget"
 DS_GEN_BATCHES = 1.3
 """Expected generation batches a dynamic-sampling step (same use as MEAN_RESPONSE_TOKENS)."""
 
@@ -93,8 +89,7 @@ class RunSpec:
 ABLATIONS: list[tuple[str, str, list[str]]] = [
     ("dapo_no_ds", "dapo", ["algorithm.filter_groups.enable=false", "data.gen_batch_size=16"]),
     *[(f"da3po_{d}_{f}", "da3po", [f"algorithm.daa.difficulty={d}", f"algorithm.daa.factor={f}"])
-      for d in ("group", "conditional", "history") for f in ("balanced", "power")
-      if (d, f) != ("history", "balanced")],  # history + balanced is DA3PO itself (the default)
+      for d in ("group", "posterior", "history") for f in ("balanced", "power")],  # DA3PO itself: constant + group
 ]
 """(label, recipe, overrides) of the one-seed variants."""
 
@@ -183,28 +178,6 @@ def read_rows(path: Path) -> list[dict]:
     return rows
 
 
-LOOKAHEAD_STEPS = 5
-"""Recent steps whose largest token count bounds the next step's in the stop rule."""
-
-
-def budget_signal_step(rows: list[dict], budget: int) -> Optional[int]:
-    """The study's stop rule: the first training step s with `T_s + max(t_{s-4..s}) >= budget`
-    (`T_s` = `perf/total_generated_tokens`, `t_r` = `perf/generated_tokens`: step s+1 may reach the
-    budget), or None. SIGTERM sent once step s's row is written makes step s+1 the last.
-
-    The max, not the mean: a dynamic-sampling step generates one or two generation batches (~5k or
-    ~10k tokens on the tiny task); with the mean, a two-batch step s could cross the budget before
-    the rule fired, and the run then went a whole step (s+1) past it. With the max, a run ends
-    below the budget by at most max - min of recent steps, and above it only by a step larger
-    than every one of the 5 before."""
-    recent: list[int] = []
-    for r in sorted((r for r in rows if "perf/total_generated_tokens" in r), key=lambda r: r["step"]):
-        recent = (recent + [r["perf/generated_tokens"]])[-LOOKAHEAD_STEPS:]
-        if r["perf/total_generated_tokens"] + max(recent) >= budget:
-            return r["step"]
-    return None
-
-
 def latest_checkpoint_step(run_dir: Path) -> Optional[int]:
     """The step named by `checkpoints/latest_checkpointed_iteration.txt`, or None."""
     marker = run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
@@ -215,7 +188,7 @@ def latest_checkpoint_step(run_dir: Path) -> Optional[int]:
 
 
 class Runner:
-    """Launches `megatron-rl train` for one `RunSpec`, watches its metrics and applies the budget."""
+    """Launches `megatron-rl train` for one `RunSpec` under the token budget (`trainer.max_generated_tokens`)."""
 
     def __init__(self, args: argparse.Namespace, pool_path: Path) -> None:
         self.args = args
@@ -226,6 +199,7 @@ class Runner:
         a = self.args
         return [
             f"run_dir={run_dir}", f"trainer.seed={spec.seed}", f"trainer.total_training_steps={steps}",
+            f"trainer.max_generated_tokens={a.budget_tokens}",
             "trainer.save_interval=0", "trainer.keep_last_n_checkpoints=1", "trainer.progress_bar=false",
             "trainer.tensorboard=false", f"data.train_files=[{self.pool_path}]",
             f"eval.n={a.eval_n}", f"eval.max_problems={a.eval_problems}",
@@ -256,39 +230,26 @@ class Runner:
         cfg = self.resolved(spec)
         return max(4, math.ceil(self.args.budget_tokens / (cfg.data.train_batch_size * cfg.rollout.n * 4)) + 2)
 
-    def launch(self, spec: RunSpec, overrides: list[str], log_path: Path, watch_budget: bool,
-               metrics_path: Path) -> tuple[int, Optional[int], float]:
-        """Run the trainer to its end; with `watch_budget`, SIGTERM it at the stop rule's step.
-
-        Returns:
-            (exit code, the step at which SIGTERM was sent or None, wall seconds).
-        """
+    def launch(self, spec: RunSpec, overrides: list[str], log_path: Path) -> tuple[int, float]:
+        """Run the trainer to its end (its token budget). Returns (exit code, wall seconds)."""
         cmd = [self.args.python, "-m", "megatron_rl.cli", "train", "--config", str(TINY / f"{spec.recipe}.yaml"),
                *overrides]
         t0 = time.perf_counter()
-        signalled = None
         with open(log_path, "a") as log:
             log.write(f"\n$ {' '.join(cmd)}\n")
             log.flush()
             # on an exception (the study interrupted) the child stays in self.child for main() to stop
             self.child = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-            while self.child.poll() is None:
-                if watch_budget and signalled is None:
-                    s = budget_signal_step(read_rows(metrics_path), self.args.budget_tokens)
-                    if s is not None:
-                        self.child.send_signal(signal.SIGTERM)
-                        signalled = s
-                time.sleep(0.25)
-            code = self.child.returncode
+            code = self.child.wait()
             self.child = None
-        return code, signalled, time.perf_counter() - t0
+        return code, time.perf_counter() - t0
 
     def run(self, spec: RunSpec, run_dir: Path, *, before_train: bool) -> dict:
         """Bring one run to its `summary.json` (skipped when it is there already).
 
         Returns:
-            the run's study state (`study_run.json`): phases with exit codes and wall times, the
-            signal step, status "done" or "failed".
+            the run's study state (`study_run.json`): phases (train, or resume from a checkpoint)
+            with exit codes and wall times, status "done" or "failed".
         """
         state_path = run_dir / "study_run.json"
         state = json.loads(state_path.read_text()) if state_path.is_file() else {"phases": []}
@@ -300,26 +261,18 @@ class Runner:
                 state["status"] = "failed"
                 break
             ckpt = latest_checkpoint_step(run_dir)
-            rows = [r for r in read_rows(run_dir / "metrics.jsonl") if ckpt is not None and r["step"] <= ckpt]
-            hit = budget_signal_step(rows, self.args.budget_tokens)
-            if ckpt is not None and hit is not None:
-                phase, steps, watch = "final_eval", ckpt, False   # the budget stop happened: evaluate
-            else:
-                if ckpt is None and run_dir.exists():   # nothing to resume from: start over
-                    shutil.rmtree(run_dir)
-                    state = {"phases": [], "restarts": state.get("restarts", -1) + 1}
-                phase, steps, watch = "train", self.step_cap(spec), True
+            if ckpt is None and run_dir.exists():   # nothing to resume from: start over
+                shutil.rmtree(run_dir)
+                state = {"phases": [], "restarts": state.get("restarts", -1) + 1}
+            phase, steps = "train" if ckpt is None else "resume", self.step_cap(spec)
             run_dir.mkdir(parents=True, exist_ok=True)
             overrides = self.common_overrides(spec, run_dir, steps=steps, before_train=before_train)
-            print(f"[study] {spec.name}: {phase} (trainer.total_training_steps={steps})", flush=True)
-            code, signalled, wall = self.launch(spec, overrides, run_dir / "study_stdout.log", watch,
-                                                run_dir / "metrics.jsonl")
+            print(f"[study] {spec.name}: {phase} (trainer.max_generated_tokens={self.args.budget_tokens})", flush=True)
+            code, wall = self.launch(spec, overrides, run_dir / "study_stdout.log")
             state["phases"].append({"phase": phase, "returncode": code, "wall_s": round(wall, 2),
-                                    "signal_step": signalled, "total_training_steps": steps})
-            if signalled is not None:
-                state["signal_step"] = signalled
+                                    "total_training_steps": steps})
             state_path.write_text(json.dumps(state, indent=1))
-            if code not in (0, 75) or (code == 75 and signalled is None):
+            if code != 0:
                 failures += 1
                 print(f"[study] {spec.name}: {phase} exited with {code}; see {run_dir}/train.log "
                       f"and {run_dir}/study_stdout.log", flush=True)
@@ -456,8 +409,7 @@ def run_record(spec: RunSpec, run_dir: Path, state: dict, base: Optional[dict], 
         "total_generated_tokens": summary["total_generated_tokens"],
         "tokens_from_metrics": sum(r["perf/generated_tokens"] for r in train),
         "budget_tokens": args.budget_tokens,
-        "stop": {"signal_step": state.get("signal_step"), "stopped_by_budget": state.get("signal_step") is not None,
-                 "rule": STOP_RULE},
+        "stop": {"stopped_by_budget": summary["total_generated_tokens"] >= args.budget_tokens, "rule": STOP_RULE},
         "eval_interval": cfg["eval"]["interval"],
         "final": final,
         "curve": curve,
@@ -812,7 +764,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                      "data": "examples/tiny/data/test.jsonl"},
             "target_acc": args.target_acc,
             "hard_levels": args.hard_levels,
-            "stop_rule": STOP_RULE + "; then a resume with total_training_steps=s+1 runs the final evaluation",
+            "stop_rule": STOP_RULE,
             "wall_s_this_invocation": round(time.perf_counter() - t0, 1),
             "wall_s_runs": round(sum(r.get("wall_s") or 0 for r in records), 1),
             "cpus": os.cpu_count(),

@@ -1,32 +1,27 @@
 """DA3PO's Direct Advantage Amplification (DAA) and the per-prompt difficulty tracker.
 
-ALGORITHMS section 4 (our derivation; the DA3PO paper's exact formula is not available).
-Dynamic sampling (DAPO, arXiv 2503.14476) keeps a response only when its group is mixed, so on
-a prompt with success rate `q` and group size `G` a correct response is kept with probability
-`1 - q^(G-1)`, an incorrect one with `1 - (1-q)^(G-1)`. Their ratio
+ALGORITHMS.md section 4. Dynamic sampling (DAPO, arXiv 2503.14476) keeps a response only when its
+group is mixed (1 <= k <= G-1 correct); on hard prompts this amplifies incorrect responses' advantages
+more than correct ones'. DAA multiplies the advantage of every correct response with positive
+advantage, in a kept group whose difficulty estimate `q_hat < hard_threshold`, by a factor:
 
-    beta(q) = (1 - q^(G-1)) / (1 - (1-q)^(G-1))
+- `constant` (section 4.1, the DA3PO recipes' default): `lambda = amplification` (default 2.0)
+  with `q_hat = k / G`: the DA3PO paper's rule as reported by summaries of the paper (the paper's
+  full text is not available to us; they report lambda = 2 best at G = 16).
+- `balanced` (section 4.2, our extension): `clamp(beta(q_hat), 1, max_factor)` with
+  `beta(q) = (1 - q^(G-1)) / (1 - (1-q)^(G-1))`, how much more incorrect responses are amplified
+  than correct ones by the keep rule.
+- `power` (section 4.2): `clamp((hard_threshold / q_hat) ** gamma, 1, max_factor)`.
 
-is how much more incorrect responses are amplified than correct ones. DAA multiplies the
-advantage of every correct response with positive advantage, in an eligible group whose
-difficulty estimate `q_hat < hard_threshold`, by
-`clamp(beta(q_hat), 1, max_factor)` (balanced) or `clamp((hard_threshold/q_hat)^gamma, 1, max_factor)`
-(power). Incorrect responses are never changed; with DAA disabled the advantages are DAPO's.
+Incorrect responses are never changed; with DAA disabled the advantages are DAPO's.
 
-Difficulty `q_hat`: posterior mean of `q` under a Beta(a0, b0) prior, evaluated on a fixed grid.
+Difficulty `q_hat` (section 4.3), closed-form posterior means under a Beta(a0, b0) prior:
 - group: `k / G`.
-- conditional: likelihood `q^k (1-q)^(G-k) / (1 - (1-q)^G - q^G)` (the group was kept).
-- history: conditional times `q^k' (1-q)^(G'-k')` of every earlier completed group of the same
-  prompt key (kept or dropped; a dropped all-wrong group contributes `(1-q)^G'`).
-
-Deliberate choice (grid): a uniform midpoint grid `q_j = (j + 1/2) / grid_size`, default 3500
-cells. The Beta(1/2, 1/2) prior has an integrable singularity at q = 0 which the k = 1 likelihood
-does not cancel (it tends to 1/G), so a uniform grid under-weights the mass near 0 and the
-posterior mean converges slowly (~1/sqrt(grid_size)). The numbers in ALGORITHMS section 4
-(k=1 of 16: 0.047; after 1/3/6 all-wrong groups: 0.020, 0.0092, 0.0051; factors 1.95, 3.8, 7.8,
-13.6) are those of this grid; they are reproduced to the stated digits only for midpoint grids
-of about 3400 to 3700 cells. The converged integral gives 0.0461, 0.0195, 0.00876, 0.00477
-(factors 1.97, 3.91, 8.08, 14.4), i.e. the documented grid is slightly conservative.
+- posterior: `(a0 + k) / (a0 + b0 + G)`. Keeping a group depends only on k, so P(q | k, kept) =
+  P(q | k); the removed `conditional` mode divided by the keep probability again (2x low).
+- history: `(a0 + S) / (a0 + b0 + S + F)`, S/F the correct/incorrect responses of every completed
+  group of the prompt so far (this one included, kept or dropped), a group observed s steps ago
+  weighted `history_decay ** s`.
 """
 
 from __future__ import annotations
@@ -38,18 +33,20 @@ from typing import Any
 
 import torch
 
-from megatron_rl.algorithms.options import DAA_DIFFICULTY_MODES, DAA_FACTOR_OPTIONS
+from megatron_rl.algorithms.options import CONDITIONAL_REMOVED, DAA_DIFFICULTY_MODES, DAA_FACTOR_OPTIONS
 
 logger = logging.getLogger(__name__)
 
 DIFFICULTY_MODES = DAA_DIFFICULTY_MODES
 FACTOR_KINDS = tuple(DAA_FACTOR_OPTIONS.names())
-"""The registered factors (options: `options.BalancedFactorOptions`, `options.PowerFactorOptions`)."""
-DEFAULT_GRID_SIZE = 3500
+"""The registered factors (options: `options.ConstantFactorOptions`, `BalancedFactorOptions`,
+`PowerFactorOptions`)."""
+STATE_VERSION = 2
+"""`DifficultyTracker.state_dict` format: 2 = decayed counts with the step of the last observation."""
 
 
 def balanced_beta(q: float | torch.Tensor, G: int) -> float | torch.Tensor:
-    """`beta(q) = (1 - q^(G-1)) / (1 - (1-q)^(G-1))` (ALGORITHMS section 4).
+    """`beta(q) = (1 - q^(G-1)) / (1 - (1-q)^(G-1))` (ALGORITHMS section 4.2).
 
     Args:
         q: success rate in [0, 1], a float or a float tensor of any shape.
@@ -76,8 +73,9 @@ def daa_factor(
     q_hat: float | torch.Tensor,
     *,
     group_size: int | None = None,
-    factor: str = "balanced",
+    factor: str = "constant",
     hard_threshold: float = 0.5,
+    amplification: float = 2.0,
     max_factor: float = 8.0,
     gamma: float = 1.0,
 ) -> float | torch.Tensor:
@@ -86,21 +84,24 @@ def daa_factor(
     Args:
         q_hat: estimated success rate, float or float tensor `[P]`.
         group_size: G, required for `factor="balanced"`.
-        factor: `"balanced"` -> `clamp(beta(q_hat), 1, max_factor)`;
+        factor: `"constant"` -> `amplification`; `"balanced"` -> `clamp(beta(q_hat), 1, max_factor)`;
             `"power"` -> `clamp((hard_threshold / q_hat) ** gamma, 1, max_factor)`.
         hard_threshold: groups with `q_hat >= hard_threshold` get factor 1.
-        max_factor: cap (>= 1).
+        amplification: lambda of the constant factor (>= 1; `max_factor` does not cap it).
+        max_factor: cap of the balanced and power factors (>= 1).
         gamma: exponent of the power factor (> 0).
 
     Returns:
-        Same type as `q_hat` (float64 tensor for tensor input), values in `[1, max_factor]`.
+        Same type as `q_hat` (float64 tensor for tensor input), values >= 1.
 
     Raises:
-        ValueError: unknown `factor`, `max_factor < 1`, `gamma <= 0`, `hard_threshold` outside
-        (0, 1], or a missing `group_size` for the balanced factor.
+        ValueError: unknown `factor`, `amplification < 1`, `max_factor < 1`, `gamma <= 0`,
+        `hard_threshold` outside (0, 1], or a missing `group_size` for the balanced factor.
     """
     if factor not in FACTOR_KINDS:
         raise ValueError(f"daa.factor must be one of {FACTOR_KINDS}, got {factor!r}")
+    if not amplification >= 1.0:
+        raise ValueError(f"daa.amplification must be >= 1, got {amplification}")
     if not max_factor >= 1.0:
         raise ValueError(f"daa.max_factor must be >= 1, got {max_factor}")
     if not gamma > 0:
@@ -109,56 +110,55 @@ def daa_factor(
         raise ValueError(f"daa.hard_threshold must be in (0, 1], got {hard_threshold}")
     as_float = not isinstance(q_hat, torch.Tensor)
     q = torch.as_tensor(q_hat, dtype=torch.float64)
-    if factor == "balanced":
+    if factor == "constant":
+        raw = torch.full_like(q, float(amplification))
+    elif factor == "balanced":
         if group_size is None:
             raise ValueError("daa.factor='balanced' needs group_size (rollout.n)")
-        raw = balanced_beta(q, group_size)
+        raw = balanced_beta(q, group_size).clamp(min=1.0, max=max_factor)
     else:
-        raw = (hard_threshold / q) ** gamma  # q = 0 gives inf, capped below
-    f = torch.where(q < hard_threshold, raw.clamp(min=1.0, max=max_factor), torch.ones_like(q))
+        raw = ((hard_threshold / q) ** gamma).clamp(min=1.0, max=max_factor)  # q = 0 gives inf, capped
+    f = torch.where(q < hard_threshold, raw, torch.ones_like(q))
     return float(f) if as_float else f
 
 
 class DifficultyTracker:
-    """Per-prompt posterior of the success rate, part of the training state (saved, resumed).
+    """Per-prompt Beta counts of the success rate, part of the training state (saved, resumed).
 
-    Stores, per `prompt_key`, the total correct and incorrect counts of every completed group
-    recorded so far (kept or dropped by dynamic sampling); the product of their likelihoods
-    `q^k (1-q)^(G-k)` only depends on these sums. Call `estimate` for a group before `record`ing
-    it, otherwise the group counts twice.
+    Stores, per `prompt_key`, the decayed correct and incorrect counts `S, F` of every completed
+    group recorded so far (kept or dropped by dynamic sampling) and the step of the last one: a
+    group recorded at step `t` counts `history_decay ** (now - t)`, so the counts are multiplied by
+    `history_decay ** (now - last_step)` when they are next read or added to. Call `estimate` for
+    a group before `record`ing it (the estimate adds the group itself once).
 
     Args:
         a0, b0: Beta prior (default Jeffreys, 0.5/0.5), both > 0.
-        grid_size: number of uniform midpoint cells on (0, 1); see the module docstring for
-            why the default is 3500.
+        history_decay: weight a step of age of an earlier group, in (0, 1]; 1.0 = no decay.
     """
 
-    def __init__(self, a0: float = 0.5, b0: float = 0.5, grid_size: int = DEFAULT_GRID_SIZE) -> None:
+    def __init__(self, a0: float = 0.5, b0: float = 0.5, history_decay: float = 1.0) -> None:
         if not (a0 > 0 and b0 > 0):
             raise ValueError(f"Beta prior needs a0 > 0 and b0 > 0, got a0={a0}, b0={b0}")
-        if grid_size < 2:
-            raise ValueError(f"grid_size must be >= 2, got {grid_size}")
-        self.a0, self.b0, self.grid_size = float(a0), float(b0), int(grid_size)
-        self._counts: dict[str, list[int]] = {}
-        self._build_grid()
-
-    def _build_grid(self) -> None:
-        q = (torch.arange(self.grid_size, dtype=torch.float64) + 0.5) / self.grid_size  # (Q,)
-        self._q = q
-        self._log_q = torch.log(q)
-        self._log_1mq = torch.log1p(-q)
-        self._log_prior = (self.a0 - 1) * self._log_q + (self.b0 - 1) * self._log_1mq
+        if not 0.0 < history_decay <= 1.0:
+            raise ValueError(f"history_decay must be in (0, 1], got {history_decay}")
+        self.a0, self.b0, self.history_decay = float(a0), float(b0), float(history_decay)
+        self._counts: dict[str, list] = {}
+        """key -> [S, F, last_step]: decayed counts as of `last_step` (floats; ints without decay)."""
 
     @staticmethod
     def _key(prompt_key: Hashable) -> str:
         return prompt_key if isinstance(prompt_key, str) else repr(prompt_key)
 
-    def history(self, prompt_key: Hashable) -> tuple[int, int]:
-        """`(correct, incorrect)` totals recorded for `prompt_key` (0, 0 if never seen)."""
+    def history(self, prompt_key: Hashable, step: int | None = None) -> tuple[float, float]:
+        """`(S, F)`: the decayed correct and incorrect counts of `prompt_key` at `step` (None = as of
+        its last observation), (0, 0) if never seen."""
         c = self._counts.get(self._key(prompt_key))
-        return (c[0], c[1]) if c else (0, 0)
+        if not c:
+            return (0.0, 0.0)
+        w = 1.0 if step is None or self.history_decay == 1.0 else self.history_decay ** (step - c[2])
+        return (c[0] * w, c[1] * w)
 
-    def estimate(self, prompt_key: Hashable, k: int, G: int, mode: str = "history") -> float:
+    def estimate(self, prompt_key: Hashable, k: int, G: int, mode: str = "history", *, step: int = 0) -> float:
         """Difficulty estimate `q_hat` for a kept group with `k` correct out of `G`.
 
         Args:
@@ -166,58 +166,85 @@ class DifficultyTracker:
                 (non-str keys are stored by `repr`).
             k: number of correct responses, `1 <= k <= G-1` (an eligible, mixed group).
             G: number of responses in the group.
-            mode: `group`, `conditional` or `history` (ALGORITHMS section 4).
+            mode: `group`, `posterior` or `history` (ALGORITHMS section 4.3).
+            step: the RL step the group was scored in (ages the history with `history_decay`).
 
         Returns:
-            Posterior mean of q (float). Raises `ValueError` for an unknown mode or k outside
-            [1, G-1].
+            The posterior mean of q (float; `k / G` for `group`).
+
+        Raises:
+            ValueError: an unknown mode (`conditional`: why it was removed), k outside [1, G-1].
         """
+        if mode == "conditional":
+            raise ValueError(CONDITIONAL_REMOVED)
         if mode not in DIFFICULTY_MODES:
             raise ValueError(f"daa.difficulty must be one of {DIFFICULTY_MODES}, got {mode!r}")
         if G < 2 or not 1 <= k <= G - 1:
             raise ValueError(f"estimate needs a mixed group, 1 <= k <= G-1; got k={k}, G={G}")
         if mode == "group":
             return k / G
-        lq, l1q = self._log_q, self._log_1mq
-        # log of the selection probability 1 - (1-q)^G - q^G, stable for q near 0 and 1
-        keep = -torch.expm1(G * l1q) - torch.exp(G * lq)
-        loglik = k * lq + (G - k) * l1q - torch.log(keep)
-        if mode == "history":
-            succ, fail = self.history(prompt_key)
-            loglik = loglik + succ * lq + fail * l1q
-        logw = loglik + self._log_prior
-        w = torch.softmax(logw, dim=0)
-        return float((w * self._q).sum())
+        succ, fail = self.history(prompt_key, step) if mode == "history" else (0.0, 0.0)
+        s, f = succ + k, fail + (G - k)
+        return (self.a0 + s) / (self.a0 + self.b0 + s + f)
 
-    def record(self, prompt_key: Hashable, k: int, G: int) -> None:
-        """Record a completed group (kept or dropped) with `k` correct out of `G` valid responses.
+    def record(self, prompt_key: Hashable, k: int, G: int, *, step: int = 0) -> None:
+        """Record a completed group (kept or dropped) with `k` correct out of `G` valid responses,
+        scored at RL step `step` (never earlier than the key's previous record).
 
         Aborted or partial groups must not be recorded. A group with no valid response (G = 0:
         every reward call failed or timed out) carries no evidence and is a no-op.
-        Raises `ValueError` unless 0 <= k <= G.
+        Raises `ValueError` unless 0 <= k <= G, or for a step before the key's last record.
         """
         if G < 0 or not 0 <= k <= G:
             raise ValueError(f"record needs 0 <= k <= G; got k={k}, G={G}")
         if G == 0:
             return
-        c = self._counts.setdefault(self._key(prompt_key), [0, 0])
-        c[0] += int(k)
-        c[1] += int(G - k)
+        key = self._key(prompt_key)
+        c = self._counts.get(key)
+        if c is not None and step < c[2]:
+            raise ValueError(f"record of {key!r} at step {step}, before its last record at step {c[2]}")
+        succ, fail = self.history(prompt_key, step)
+        self._counts[key] = [succ + k, fail + (G - k), int(step)]
 
     def state_dict(self) -> dict[str, Any]:
-        """JSON-serialisable state: prior, grid size and per-key `[correct, incorrect]` totals."""
+        """JSON-serialisable state: prior, decay and per-key `[S, F, last_step]` (floats survive a
+        JSON round trip exactly, so a resumed run estimates bit for bit what it would have)."""
         return {
+            "version": STATE_VERSION,
             "a0": self.a0,
             "b0": self.b0,
-            "grid_size": self.grid_size,
+            "history_decay": self.history_decay,
             "counts": {k: list(v) for k, v in self._counts.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore from `state_dict()` output (replaces the current state)."""
-        self.a0, self.b0, self.grid_size = float(state["a0"]), float(state["b0"]), int(state["grid_size"])
-        self._counts = {str(k): [int(v[0]), int(v[1])] for k, v in state["counts"].items()}
-        self._build_grid()
+        """Restore the counts of `state_dict()` output (replaces the current ones). The prior and
+        the decay stay the tracker's own (the config's); a difference is logged.
+
+        A version-1 state (before the closed forms: integer `[correct, incorrect]` totals and a
+        `grid_size`) loads exactly with `history_decay` 1 (its totals are the same counts).
+
+        Raises:
+            ValueError: a version-1 state with `history_decay` < 1 (it has no step per observation).
+        """
+        version = int(state.get("version", 1))
+        for name in ("a0", "b0", "history_decay"):
+            saved = float(state.get(name, 1.0 if name == "history_decay" else getattr(self, name)))
+            if saved != getattr(self, name):
+                logger.warning("difficulty tracker: checkpoint has %s=%s, the config %s; using the config's",
+                               name, saved, getattr(self, name))
+        if version == 1:
+            if self.history_decay != 1.0:
+                raise ValueError(
+                    "the checkpoint's difficulty tracker predates algorithm.daa.history_decay (it stores totals "
+                    "without the step of each group), so it cannot be aged; resume it with "
+                    f"algorithm.daa.history_decay=1.0 (got {self.history_decay}) or start a new run_dir")
+            self._counts = {str(k): [float(v[0]), float(v[1]), 0] for k, v in state["counts"].items()}
+        elif version == STATE_VERSION:
+            self._counts = {str(k): [float(v[0]), float(v[1]), int(v[2])] for k, v in state["counts"].items()}
+        else:
+            raise ValueError(f"difficulty tracker state version {version} is not supported "
+                             f"(this code: {STATE_VERSION})")
 
     def __len__(self) -> int:
         return len(self._counts)
@@ -230,8 +257,9 @@ def apply_daa(
     q_hat: torch.Tensor,
     eligible: torch.Tensor,
     *,
-    factor: str = "balanced",
+    factor: str = "constant",
     hard_threshold: float = 0.5,
+    amplification: float = 2.0,
     max_factor: float = 8.0,
     gamma: float = 1.0,
     group_size: int | torch.Tensor | None = None,
@@ -244,7 +272,7 @@ def apply_daa(
         group_index: `[N] int64` in `[0, P)`, from `group_ids_to_index`.
         q_hat: `[P] float`, difficulty estimate per group (ignored where not eligible).
         eligible: `[P] bool`, True = kept group with 1 <= k <= G-1.
-        factor, hard_threshold, max_factor, gamma: see `daa_factor`.
+        factor, hard_threshold, amplification, max_factor, gamma: see `daa_factor`.
         group_size: G for the balanced factor: an int, a `[P]` tensor, or None to use the
             number of rows of each group in `group_index`.
 
@@ -252,7 +280,8 @@ def apply_daa(
         `(advantages [N] same dtype, stats)`; only rows with `correct & advantage > 0` in an
         eligible group with `q_hat < hard_threshold` change. `stats`: `amplified_frac` = share of
         the N rows whose advantage was multiplied by a factor > 1; `factor_mean` = mean factor
-        over those rows (1.0 if none).
+        over those rows (1.0 if none); `hard_group_frac` = share of the P groups that are eligible
+        with `q_hat < hard_threshold` (0.0 if P = 0).
     """
     n = advantages.shape[0]
     if correct.shape != (n,) or group_index.shape != (n,):
@@ -262,6 +291,8 @@ def apply_daa(
         raise ValueError(f"eligible must be [P]=[{p}], got {tuple(eligible.shape)}")
     dev = advantages.device
     q = q_hat.detach().to(device=dev, dtype=torch.float64)
+    opts = dict(factor=factor, hard_threshold=hard_threshold, amplification=amplification,
+                max_factor=max_factor, gamma=gamma)
     if factor == "balanced":
         if group_size is None:
             gs = torch.bincount(group_index.to(dev), minlength=p)[:p]
@@ -271,10 +302,10 @@ def apply_daa(
         for g in torch.unique(gs).tolist():
             sel = gs == g
             if g >= 2:
-                f[sel] = daa_factor(q[sel], group_size=int(g), factor=factor, hard_threshold=hard_threshold,
-                                    max_factor=max_factor, gamma=gamma)
+                f[sel] = daa_factor(q[sel], group_size=int(g), **opts)
     else:
-        f = daa_factor(q, factor=factor, hard_threshold=hard_threshold, max_factor=max_factor, gamma=gamma)
+        f = daa_factor(q, **opts)
+    hard = eligible.to(dev) & (q < hard_threshold)  # [P]
     f = torch.where(eligible.to(dev), f, torch.ones_like(f))
     row_f = f[group_index.to(dev)]
     amplify = correct.to(dev).bool() & (advantages > 0) & (row_f > 1.0)
@@ -283,5 +314,6 @@ def apply_daa(
     stats = {
         "amplified_frac": n_amp / n if n else 0.0,
         "factor_mean": float(row_f[amplify].mean()) if n_amp else 1.0,
+        "hard_group_frac": float(hard.sum()) / p if p else 0.0,
     }
     return out, stats

@@ -222,28 +222,52 @@ def check_group_size(*, rollout_n: int, adv_estimator: str | None = None, filter
 
 @dataclass(kw_only=True)
 class DAAFactorOptions(Options):
-    """Options every DAA factor shares: which groups count as hard, and the cap."""
+    """Options every DAA factor shares: which groups count as hard."""
 
     hard_threshold: float = 0.5
-    """Groups whose estimated success rate q_hat is below this are amplified; in (0, 1]. Default 0.5."""
-    max_factor: float = 8.0
-    """Cap of the amplification factor; >= 1. Default 8.0."""
+    """tau: kept groups whose estimated success rate q_hat is below this are amplified; in (0, 1].
+    Default 0.5 (the paper's, as reported)."""
 
     def _check(self) -> None:
         if not 0.0 < self.hard_threshold <= 1.0:
             raise ConfigError(f"algorithm.daa.hard_threshold: {self.hard_threshold!r} must be in (0, 1]")
+
+
+@dataclass(kw_only=True)
+class ConstantFactorOptions(DAAFactorOptions):
+    """The DA3PO paper's rule as reported by summaries of the paper (ALGORITHMS.md section 4.1):
+    every correct response with A > 0 in a kept hard group gets `A *= amplification`."""
+
+    amplification: float = 2.0
+    """lambda of `factor: constant`: the factor of correct responses' positive advantages in hard
+    groups; >= 1 (1 = DAPO). Default 2.0 (reported best at G = 16). Not capped by max_factor."""
+
+    def _check(self) -> None:
+        if not (isinstance(self.amplification, (int, float)) and math.isfinite(self.amplification)
+                and self.amplification >= 1.0):
+            raise ConfigError(f"algorithm.daa.amplification: {self.amplification!r} must be a finite number >= 1")
+
+
+@dataclass(kw_only=True)
+class CappedFactorOptions(DAAFactorOptions):
+    """Options of a factor that depends on q_hat (our extension, section 4.2): its cap."""
+
+    max_factor: float = 8.0
+    """Cap of the balanced and power factors; >= 1. Default 8.0."""
+
+    def _check(self) -> None:
         if self.max_factor < 1.0:
             raise ConfigError(f"algorithm.daa.max_factor: {self.max_factor!r} must be >= 1")
 
 
 @dataclass(kw_only=True)
-class BalancedFactorOptions(DAAFactorOptions):
-    """`clamp(beta(q_hat), 1, max_factor)`, beta from the group size (ALGORITHMS.md section 4)."""
+class BalancedFactorOptions(CappedFactorOptions):
+    """`clamp(beta(q_hat), 1, max_factor)`, beta from the group size (ALGORITHMS.md section 4.2)."""
 
 
 @dataclass(kw_only=True)
-class PowerFactorOptions(DAAFactorOptions):
-    """`clamp((hard_threshold / q_hat) ** gamma, 1, max_factor)`."""
+class PowerFactorOptions(CappedFactorOptions):
+    """`clamp((hard_threshold / q_hat) ** gamma, 1, max_factor)` (ALGORITHMS.md section 4.2)."""
 
     gamma: float = 1.0
     """Exponent of the power factor; > 0. Default 1.0 (used only with `factor: power`)."""
@@ -254,8 +278,18 @@ class PowerFactorOptions(DAAFactorOptions):
 
 DAA_FACTOR_OPTIONS: Registry[type] = Registry("DAA factor")
 """`algorithm.daa.factor` name -> options dataclass (keywords of `daa.daa_factor`)."""
+DAA_FACTOR_OPTIONS.register("constant")(ConstantFactorOptions)
 DAA_FACTOR_OPTIONS.register("balanced")(BalancedFactorOptions)
 DAA_FACTOR_OPTIONS.register("power")(PowerFactorOptions)
 
-DAA_DIFFICULTY_MODES = ("group", "conditional", "history")
-"""`algorithm.daa.difficulty` names (daa.py's `DifficultyTracker.estimate`)."""
+DAA_DIFFICULTY_MODES = ("group", "posterior", "history")
+"""`algorithm.daa.difficulty` names (daa.py's `DifficultyTracker.estimate`, ALGORITHMS.md 4.3)."""
+
+CONDITIONAL_REMOVED = (
+    "algorithm.daa.difficulty: 'conditional' was removed: it divided the likelihood of a kept group by "
+    "the keep probability 1 - (1-q)^G - q^G, but keeping a group depends only on k, so P(q | k, kept) = "
+    "P(q | k); the division counted the selection twice and biased q_hat about 2x low (k = 1 of 16 gave "
+    "0.047 where the posterior mean is 1.5/17 = 0.088). Use 'posterior' (the mean of "
+    "Beta(a0 + k, b0 + G - k)) or 'history' (ALGORITHMS.md section 4.3)"
+)
+"""The error for `difficulty: conditional` (config load and `DifficultyTracker.estimate`)."""

@@ -17,6 +17,7 @@ from typing import Optional
 
 from megatron_rl.algorithms.options import (
     ADV_ESTIMATOR_SPECS,
+    CONDITIONAL_REMOVED,
     DAA_DIFFICULTY_MODES,
     DAA_FACTOR_OPTIONS,
     KL_TYPE_NAMES,
@@ -297,26 +298,39 @@ class FilterGroupsConfig:
 @dataclass(kw_only=True)
 class DAAConfig(*option_bases(*(DAA_FACTOR_OPTIONS.get(n) for n in DAA_FACTOR_OPTIONS.names()))):
     """DA3PO's Direct Advantage Amplification. Carries the options of every registered DAA factor
-    (`hard_threshold`, `max_factor`, `gamma`; see `megatron_rl.algorithms.options`)."""
+    (`hard_threshold`, `amplification`, `max_factor`, `gamma`; see `megatron_rl.algorithms.options`).
+
+    The defaults are the DA3PO paper's rule as reported by summaries of the paper (ALGORITHMS.md
+    section 4.1: `factor: constant`, `difficulty: group`, lambda 2, tau 0.5), the same as the
+    DA3PO recipes, so `algorithm.daa.enable=true` on any recipe means DA3PO as published."""
 
     enable: bool = False
     """DA3PO: amplify correct responses' advantages on hard prompts (ALGORITHMS.md section 4). Default false."""
-    difficulty: str = "history"
-    """How a group's success rate q_hat is estimated: group (k/G) | conditional (posterior given the
-    group was kept) | history (conditional and every earlier group of the prompt; default)."""
-    factor: str = "balanced"
-    """Registered DAA factor: balanced (beta(q), default) | power ((hard_threshold / q) ** gamma)."""
+    difficulty: str = "group"
+    """How a group's success rate q_hat is estimated (ALGORITHMS.md 4.3): group (k/G, default, the
+    paper's) | posterior (mean of Beta(prior_a + k, prior_b + G - k)) | history (Beta counts over
+    every group of the prompt so far, aged by history_decay)."""
+    factor: str = "constant"
+    """Registered DAA factor: constant (amplification, default, the paper's rule) | balanced
+    (beta(q_hat), our extension) | power ((hard_threshold / q_hat) ** gamma)."""
     prior_a: float = 0.5
     """a0 of the Beta(a0, b0) prior of the success rate; > 0. Default 0.5 (Jeffreys)."""
     prior_b: float = 0.5
     """b0 of the Beta(a0, b0) prior of the success rate; > 0. Default 0.5 (Jeffreys)."""
+    history_decay: float = 1.0
+    """Weight per RL step of age of an earlier group in `difficulty: history` (a group scored s
+    steps ago counts decay^s); in (0, 1]. Default 1.0 (no decay)."""
 
     def __post_init__(self) -> None:
+        if self.difficulty == "conditional":
+            raise ConfigError(CONDITIONAL_REMOVED)
         _choice("algorithm.daa", "difficulty", self.difficulty, DAA_DIFFICULTY_MODES)
         _choice("algorithm.daa", "factor", self.factor, DAA_FACTOR_OPTIONS.names())
         super().__post_init__()  # the registered factors' option checks
         _positive("algorithm.daa", "prior_a", self.prior_a)
         _positive("algorithm.daa", "prior_b", self.prior_b)
+        if not (isinstance(self.history_decay, (int, float)) and 0.0 < self.history_decay <= 1.0):
+            raise ConfigError(f"algorithm.daa.history_decay: {self.history_decay!r} must be in (0, 1]")
 
 
 @dataclass(kw_only=True)
@@ -440,6 +454,12 @@ class WeightSyncConfig:
 class TrainerConfig:
     total_training_steps: int = 10
     """RL steps (verl's name)."""
+    max_generated_tokens: int = 0
+    """Token budget: the run stops after the first step whose running total of generated response
+    tokens (`perf/total_generated_tokens`: every sampled response, kept or filtered out, resumes
+    included) reaches this many tokens, exactly as after the last step (checkpoint with save_last,
+    final evaluation, summary.json with `steps` = that step). total_training_steps still bounds
+    the run and sets the LR schedule. Tokens, >= 0. Default 0 = no token budget."""
     seed: int = 1234
     """Seed of the model init, the prompt order and the sampling seeds. Default 1234."""
     save_interval: int = 0
@@ -506,6 +526,7 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         _positive("trainer", "total_training_steps", self.total_training_steps)
+        _positive("trainer", "max_generated_tokens", self.max_generated_tokens, allow_zero=True)
         _positive("trainer", "save_interval", self.save_interval, allow_zero=True)
         _positive("trainer", "keep_last_n_checkpoints", self.keep_last_n_checkpoints)
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size", "nproc_per_node"):

@@ -55,7 +55,8 @@ PANELS: list[tuple[str, str, list[tuple[str, str, str]]]] = [
         ("train/solve_all_frac|train/solve_all", "groups all correct (of generated)", "share of groups"),
         ("train/solve_none_frac|train/solve_none", "groups all wrong (of generated)", "share of groups"),
         ("train/daa_amplified_frac", "DAA: responses amplified", "share of responses"),
-        ("train/daa_factor_mean", "DAA: mean factor (amplified responses)", "factor")]),
+        ("train/daa_factor_mean", "DAA: mean factor (amplified responses)", "factor"),
+        ("train/daa_hard_group_frac", "DAA: hard groups (of trained)", "share of groups")]),
     ("Timings", "timings", [
         ("timing/step_s", "step", "s"), ("timing/generate_s", "generate", "s"), ("timing/update_s", "update", "s"),
         ("timing/old_logprob_s", "old log-probs", "s"), ("timing/weight_sync_s", "weight sync", "s"),
@@ -68,7 +69,7 @@ _COUNT_KEYS = {"train/num_gen_batches", "train/kept_groups", "train/mixed_groups
 """Integer counts: integer ticks, axis from 0."""
 _NO_SMOOTH = {"train/lr"}
 """Schedules: drawn as they are (a moving average would stretch the warm-up)."""
-_FEATURE_OF = {"train/daa_amplified_frac": "DAA", "train/daa_factor_mean": "DAA"}
+_FEATURE_OF = {"train/daa_amplified_frac": "DAA", "train/daa_factor_mean": "DAA", "train/daa_hard_group_frac": "DAA"}
 """Metrics that mean nothing for a run with the feature off (config.yaml says so): not drawn for it."""
 
 LEVEL_PANEL = ("Evaluation by difficulty level (held-out avg@n)", "eval_levels")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from megatron_rl.config import Config
 from megatron_rl.errors import RolloutServerError, WeightSyncError
-from megatron_rl.parallel.control import ControllerFailed, receive_from_controller, send_to_ranks
+from megatron_rl.parallel.control import ControllerFailed, broadcast_object, receive_from_controller, send_to_ranks
 from megatron_rl.trainer.signals import ExitSignal, TrainingInterrupted
 from megatron_rl.trainer.step_metrics import step_metrics
 from megatron_rl.weight_sync.publisher import SyncPlan
@@ -45,9 +45,9 @@ def run_training(cfg: Config) -> dict:
     run_preflight(cfg)
     done = _finished_summary(cfg, run_dir)
     if done is not None:
-        logger.info("%s already finished all %d steps; nothing to do (summary: %s). Raise "
-                    "trainer.total_training_steps to train further, or use another run_dir",
-                    run_dir, cfg.trainer.total_training_steps, run_dir / "summary.json")
+        logger.info("%s already finished (%d steps); nothing to do (summary: %s). Raise "
+                    "trainer.total_training_steps (or trainer.max_generated_tokens) to train further, or use "
+                    "another run_dir", run_dir, done.get("steps"), run_dir / "summary.json")
         return done
     with contextlib.ExitStack() as stack:
         # installed first: a SIGTERM/SIGUSR1 during start-up (model build, server launch, the step-0
@@ -68,7 +68,8 @@ def run_training(cfg: Config) -> dict:
 
 
 def _finished_summary(cfg: Config, run_dir: Path) -> dict | None:
-    """The summary of a run dir whose run already completed `total_training_steps` (resume_mode auto)."""
+    """The summary of a run dir whose run already completed `total_training_steps` or reached
+    `max_generated_tokens` (resume_mode auto)."""
     from megatron_rl.checkpoint.save import latest_checkpoint
 
     path = run_dir / "summary.json"
@@ -79,7 +80,10 @@ def _finished_summary(cfg: Config, run_dir: Path) -> dict | None:
         summary = json.loads(path.read_text())
     except json.JSONDecodeError:
         return None
-    if latest is not None and latest >= cfg.trainer.total_training_steps and summary.get("steps") == latest:
+    if latest is None or summary.get("steps") != latest:
+        return None
+    budget = cfg.trainer.max_generated_tokens
+    if latest >= cfg.trainer.total_training_steps or (budget and summary.get("total_generated_tokens", 0) >= budget):
         return summary
     return None
 
@@ -97,25 +101,44 @@ def _train(run, stop: ExitSignal, stack: contextlib.ExitStack) -> dict:
         run.summary["eval_before"] = _evaluate(run, "eval_before")
         run.writer.write(0, eval_metric_row(run.summary["eval_before"]))
     progress = _progress_bar(run, stack)
-    if run.start_step <= t.total_training_steps and stop.requested():  # a signal during start-up or step-0 eval
+    # resumed at its token budget (stopped there before summary.json was written): only finish
+    end = run.start_step - 1 if 0 < t.max_generated_tokens <= run.total_tokens else t.total_training_steps
+    if run.start_step <= end and stop.requested():  # a signal during start-up or step-0 eval
         logger.warning("%s received before step %d: exiting without training it", stop.signal_name, run.start_step)
         raise TrainingInterrupted(run.start_step - 1, run.run_dir, trained=False)
-    for step in range(run.start_step, t.total_training_steps + 1):
+    step = run.start_step - 1  # the last step run: none yet (the checkpoint resumed from)
+    for step in range(run.start_step, end + 1):
         t_step = time.perf_counter()
         produced, batch = _produce(run, step)
         times = _train_step(run, batch, produced, t_step)
         run.total_tokens += produced.generated_tokens if produced is not None else 0
+        last = step == end or _budget_reached(run)
         if run.is_controller:
-            _record(run, step, produced, batch, times, progress)
-        stopping = stop.requested() and step != t.total_training_steps
-        if (t.save_interval and step % t.save_interval == 0) or (t.save_last and step == t.total_training_steps) \
-                or stopping:
+            _record(run, step, produced, batch, times, progress, last)
+        stopping = stop.requested() and not last
+        if (t.save_interval and step % t.save_interval == 0) or (t.save_last and last) or stopping:
             _checkpoint(run, step)
         if stopping:
             logger.warning("%s received: stopped after step %d with a checkpoint; run the same command to resume",
                            stop.signal_name, step)
             raise TrainingInterrupted(step, run.run_dir)
-    return _finish(run)
+        if last:
+            break
+    return _finish(run, step)
+
+
+def _budget_reached(run) -> bool:
+    """`trainer.max_generated_tokens` reached after this step. Only the controller counts tokens:
+    it broadcasts its running total, so every rank takes the same decision (and logs the same total)."""
+    budget = run.cfg.trainer.max_generated_tokens
+    if not budget:
+        return False
+    run.total_tokens = broadcast_object(run.total_tokens, src=0, world_size=run.pgs.world_size)
+    if run.total_tokens >= budget:
+        logger.info("%d generated tokens >= trainer.max_generated_tokens %d: this step is the last",
+                    run.total_tokens, budget)
+        return True
+    return False
 
 
 def _produce(run, step: int):
@@ -155,14 +178,14 @@ def _train_step(run, batch, produced, t_step: float) -> dict:
             "weight_sync": t_end - t_sync, "step": t_end - t_step, "history": history, "sync": sync_metrics}
 
 
-def _record(run, step: int, produced, batch, times: dict, progress) -> None:
-    """Step 8 on the controller: the metrics row, a periodic evaluation, the progress line."""
+def _record(run, step: int, produced, batch, times: dict, progress, last: bool) -> None:
+    """Step 8 on the controller: the metrics row, a periodic evaluation (not at the `last` step:
+    the final one follows), the progress line."""
     from megatron_rl.eval.evaluate import eval_metric_row
 
     cfg = run.cfg
     m = step_metrics(produced, batch, times["history"], times, times["sync"], run.weight_version, run.total_tokens)
-    if cfg.eval.interval and step % cfg.eval.interval == 0 and step != cfg.trainer.total_training_steps \
-            and run.val_rows:
+    if cfg.eval.interval and step % cfg.eval.interval == 0 and not last and run.val_rows:
         m.update(eval_metric_row(_evaluate(run, f"eval_step{step}")))
     run.writer.write(step, m)
     if progress is not None:
@@ -224,15 +247,15 @@ def _checkpoint(run, step: int) -> None:
     )
 
 
-def _finish(run) -> dict:
-    """The final evaluation and `summary.json`."""
+def _finish(run, step: int) -> dict:
+    """The final evaluation and `summary.json` after `step`, the last step run."""
     from megatron_rl.eval.evaluate import eval_metric_row
 
-    cfg, t, summary = run.cfg, run.cfg.trainer, run.summary
+    cfg, summary = run.cfg, run.summary
     if cfg.eval.after_train and run.val_rows and run.is_controller:
         summary["eval_after"] = _evaluate(run, "eval_after")
-        run.writer.write(t.total_training_steps, eval_metric_row(summary["eval_after"]))
-    summary["steps"] = t.total_training_steps
+        run.writer.write(step, eval_metric_row(summary["eval_after"]))
+    summary["steps"] = step
     summary["wall_s"] = run.wall_before + time.perf_counter() - run.t_start
     summary["total_generated_tokens"] = run.total_tokens
     if "eval_before" in summary and "eval_after" in summary:

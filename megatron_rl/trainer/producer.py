@@ -171,9 +171,10 @@ class RolloutProducer:
         st.responses += len(g.samples)
         st.checksum = (st.checksum + sum(token_checksum(s.response_ids) for s in g.samples)) % CHECKSUM_PRIME
         if 1 <= k_correct <= g_valid - 1:
-            st.q_hats[g.group_uid] = self.tracker.estimate(g.prompt_key, k_correct, g_valid, daa.difficulty)
+            st.q_hats[g.group_uid] = self.tracker.estimate(g.prompt_key, k_correct, g_valid, daa.difficulty,
+                                                           step=st.step)
         if g_valid:  # a group whose every reward failed says nothing about the prompt
-            self.tracker.record(g.prompt_key, k_correct, g_valid)
+            self.tracker.record(g.prompt_key, k_correct, g_valid, step=st.step)
 
     def _advantages(self, kept: list, samples: list, q_hats: dict) -> tuple[torch.Tensor, dict]:
         """Step 5: advantages [B] float64 of the estimator, then DAA on hard prompts' correct responses."""
@@ -197,5 +198,5 @@ class RolloutProducer:
         q = torch.tensor([q_hats.get(g.group_uid, 1.0) for g in kept], dtype=torch.float64)
         eligible = torch.tensor([g.group_uid in q_hats for g in kept], dtype=torch.bool)
         correct = torch.tensor([s.acc and not s.failed for s in samples], dtype=torch.bool)
-        return apply_daa(adv, correct, group_index, q, eligible, factor=daa.factor,
-                         hard_threshold=daa.hard_threshold, max_factor=daa.max_factor, gamma=daa.gamma)
+        return apply_daa(adv, correct, group_index, q, eligible, factor=daa.factor, hard_threshold=daa.hard_threshold,
+                         amplification=daa.amplification, max_factor=daa.max_factor, gamma=daa.gamma)

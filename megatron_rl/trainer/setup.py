@@ -331,7 +331,8 @@ def build_run(cfg: Config, stack: contextlib.ExitStack, rank: int, t_start: floa
     _build_policy(run)
     t = cfg.trainer
     run.dataset = PromptDataset(run.train_rows, seed=t.seed, shuffle=cfg.data.shuffle) if run.is_controller else None
-    run.tracker = DifficultyTracker(a0=cfg.algorithm.daa.prior_a, b0=cfg.algorithm.daa.prior_b)
+    run.tracker = DifficultyTracker(a0=cfg.algorithm.daa.prior_a, b0=cfg.algorithm.daa.prior_b,
+                                    history_decay=cfg.algorithm.daa.history_decay)
     _restore(run)
     if run.is_controller:
         _connect_controller(run, stack)

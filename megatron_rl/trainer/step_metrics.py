@@ -44,6 +44,7 @@ def _sample_metrics(samples, kept, ds_stats: dict, daa_stats: dict) -> dict:
         "train/solve_all": ds_stats.get("solve_all", 0),
         "train/daa_amplified_frac": float(daa_stats.get("amplified_frac", 0.0)),
         "train/daa_factor_mean": float(daa_stats.get("factor_mean", 1.0)),
+        "train/daa_hard_group_frac": float(daa_stats.get("hard_group_frac", 0.0)),
     }
 
 

@@ -26,14 +26,7 @@ def _rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_stop_rule_and_curve_helpers():
-    rows = [{"step": 1, "perf/generated_tokens": 100, "perf/total_generated_tokens": 100},
-            {"step": 0, "eval/avg@4": 0.3},
-            {"step": 2, "perf/generated_tokens": 300, "perf/total_generated_tokens": 400}]
-    # step 1: 100 + 100 < 700; step 2: 400 + max(100, 300) = 700 >= 700
-    assert study.budget_signal_step(rows, 700) == 2
-    assert study.budget_signal_step(rows, 701) is None
-    assert study.budget_signal_step(rows, 200) == 1
+def test_curve_helpers():
     # crossing of 0.5 between (10, 0.4) and (20, 0.6): 15; at the first point: its x; never: None
     assert study.first_crossing([0, 10, 20], [0.3, 0.4, 0.6], 0.5) == pytest.approx(15.0)
     assert study.first_crossing([0, 10], [0.5, 0.6], 0.5) == 0
@@ -88,17 +81,13 @@ def test_quick_study_end_to_end(tmp_path):
         assert rec["tokens_from_metrics"] == sum(r["perf/generated_tokens"] for r in train)
         assert rec["total_generated_tokens"] == summary["total_generated_tokens"] == \
             train[-1]["perf/total_generated_tokens"] == rec["tokens_from_metrics"] > 0
-        # the stop rule recomputed by hand: s = first step with T_s + max(last <=5 t) >= budget
-        signal_step, recent = None, []
-        for r in train:
-            recent = (recent + [r["perf/generated_tokens"]])[-5:]
-            if r["perf/total_generated_tokens"] + max(recent) >= 6000:
-                signal_step = r["step"]
-                break
-        assert rec["stop"]["signal_step"] == signal_step is not None
-        assert rec["steps"] == summary["steps"] == signal_step + 1 == train[-1]["step"]
-        assert [p["phase"] for p in rec["phases"]] == ["train", "final_eval"]
-        assert [p["returncode"] for p in rec["phases"]] == [75, 0]
+        # the trainer's stop (trainer.max_generated_tokens): s = the first step with T_s >= budget
+        stop_step = next(r["step"] for r in train if r["perf/total_generated_tokens"] >= 6000)
+        assert rec["stop"]["stopped_by_budget"] is True
+        assert rec["steps"] == summary["steps"] == stop_step == train[-1]["step"]
+        assert summary["config"]["trainer"]["max_generated_tokens"] == 6000
+        assert [p["phase"] for p in rec["phases"]] == ["train"]
+        assert [p["returncode"] for p in rec["phases"]] == [0]
         # the run trained on the pool with its seed and the study's eval settings
         cfg = summary["config"]
         assert cfg["trainer"]["seed"] == 1

@@ -14,7 +14,8 @@ pytestmark = pytest.mark.timeout(900)
 REQUIRED_STEP_KEYS = {
     "train/score", "train/acc", "response_length/mean", "response_length/max", "response_length/clip_ratio",
     "train/entropy", "train/pg_clipfrac", "train/pg_clipfrac_lower", "train/ppo_kl", "train/grad_norm",
-    "train/num_gen_batches", "train/kept_groups", "train/daa_amplified_frac", "timing/step_s", "timing/filter_s",
+    "train/num_gen_batches", "train/kept_groups", "train/daa_amplified_frac", "train/daa_hard_group_frac",
+    "timing/step_s", "timing/filter_s",
     "perf/generate_tokens_per_s", "weight_sync/version",
 }
 
@@ -62,3 +63,36 @@ def test_ci_recipe_end_to_end(tmp_path):
     assert (run_dir / "config.yaml").is_file() and (run_dir / "tensorboard").is_dir()
     left = subprocess.run(["pgrep", "-f", f"megatron_rl.engine.*{run_dir}"], capture_output=True, text=True)
     assert left.stdout.strip() == ""
+
+
+def test_ci_recipe_token_budget(tmp_path):
+    """`trainer.max_generated_tokens`: step 1 alone generates more than 1,000 tokens (8 kept groups
+    x 8 responses, at least one generation batch of 12 prompts), so the run stops after step 1 of 3
+    with what the end of a run writes: the save_last checkpoint, the final evaluation, summary.json."""
+    run_dir = tmp_path / "run"
+    out = subprocess.run(
+        [sys.executable, "-m", "megatron_rl.cli", "train", "--config", str(ROOT / "examples/tiny/ci.yaml"),
+         f"run_dir={run_dir}", "trainer.progress_bar=false", "trainer.max_generated_tokens=1000"],
+        capture_output=True, text=True, timeout=840, cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "train/acc" in r]
+    assert [r["step"] for r in steps] == [1]
+    assert summary["steps"] == 1
+    assert summary["total_generated_tokens"] == steps[0]["perf/total_generated_tokens"] >= 1000
+    assert REQUIRED_STEP_KEYS <= set(steps[0])
+    assert sorted(r["step"] for r in rows if "eval/avg@4" in r) == [0, 1]
+    assert "eval_after" in summary
+    ckpt = run_dir / "checkpoints"
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "1"
+    # the same command again: the run is finished, nothing trains
+    again = subprocess.run(
+        [sys.executable, "-m", "megatron_rl.cli", "train", "--config", str(ROOT / "examples/tiny/ci.yaml"),
+         f"run_dir={run_dir}", "trainer.progress_bar=false", "trainer.max_generated_tokens=1000"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "already finished (1 steps)" in again.stderr + again.stdout
+    assert json.loads((run_dir / "summary.json").read_text()) == summary

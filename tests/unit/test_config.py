@@ -76,6 +76,30 @@ def test_enum_lists_allowed_values():
         load_config(None, BASE + ["algorithm.daa.difficulty=magic"])
 
 
+def test_daa_options_refused():
+    # the removed selection-corrected estimate: the error says why and names its replacement
+    with pytest.raises(ValueError, match=r"difficulty: 'conditional' was removed.*counted the selection twice.*"
+                                         r"2x low.*Use 'posterior'"):
+        load_config(None, BASE + ["algorithm.daa.difficulty=conditional"])
+    for bad in ("0", "1.5", "-0.1"):
+        with pytest.raises(ValueError, match=r"algorithm.daa.history_decay: .* must be in \(0, 1\]"):
+            load_config(None, BASE + [f"algorithm.daa.history_decay={bad}"])
+    with pytest.raises(ValueError, match=r"algorithm.daa.amplification: 0.9 must be a finite number >= 1"):
+        load_config(None, BASE + ["algorithm.daa.amplification=0.9"])
+    cfg = load_config(None, BASE + ["algorithm.daa.enable=true", "algorithm.daa.difficulty=posterior",
+                                    "algorithm.daa.history_decay=0.9"])
+    assert (cfg.algorithm.daa.difficulty, cfg.algorithm.daa.history_decay) == ("posterior", 0.9)
+
+
+def test_daa_defaults_are_the_papers_rule():
+    # enabling DAA on any recipe means DA3PO as reported (ALGORITHMS.md 4.1), like the DA3PO recipes
+    daa = load_config(None, BASE + ["algorithm.daa.enable=true"]).algorithm.daa
+    assert (daa.factor, daa.difficulty, daa.amplification, daa.hard_threshold) == ("constant", "group", 2.0, 0.5)
+    for recipe in ("examples/tiny/da3po.yaml", "examples/qwen2.5-32b/da3po.yaml"):
+        daa = load_config(ROOT / recipe, []).algorithm.daa
+        assert (daa.enable, daa.factor, daa.difficulty, daa.amplification) == (True, "constant", "group", 2.0)
+
+
 def test_wrong_type():
     with pytest.raises(ValueError, match=r"config key 'rollout.n': 'abc' is not an int$"):
         load_config(None, BASE + ["rollout.n=abc"])

@@ -41,7 +41,8 @@ def test_schema_choices_come_from_the_registries():
         load_config(None, BASE + ["actor.policy_loss=ppo"])
     with pytest.raises(ConfigError, match="algorithm.adv_estimator: 'gae' is not allowed; choose one of 'grpo'"):
         load_config(None, BASE + ["algorithm.adv_estimator=gae"])
-    with pytest.raises(ConfigError, match="algorithm.daa.factor: 'linear' is not allowed; choose one of 'balanced', 'power'"):
+    with pytest.raises(ConfigError,
+                       match="algorithm.daa.factor: 'linear' is not allowed; choose one of 'balanced', 'constant', 'power'"):
         load_config(None, BASE + ["algorithm.daa.factor=linear"])
 
 
@@ -95,6 +96,8 @@ def test_option_dataclasses_check_themselves():
         options.VanillaOptions(clip_ratio_c=1.0)
     with pytest.raises(ConfigError, match="algorithm.daa.gamma"):
         options.PowerFactorOptions(gamma=0)
+    with pytest.raises(ConfigError, match="algorithm.daa.amplification: 0.5 must be a finite number >= 1"):
+        options.ConstantFactorOptions(amplification=0.5)
     with pytest.raises(ValueError, match="grpo_std"):  # a ConfigError is a ValueError
         load_config(None, BASE + ["algorithm.grpo_std=biased"])
 

@@ -1,6 +1,9 @@
 """Every recipe in examples/ (and a few verl-named overrides) resolves to the values recorded before
 the config restructuring (fixtures/example_configs_resolved.json, written by the code of commit
-3e087e5): options moved into registered dataclasses keep their keys, defaults and spellings."""
+3e087e5): options moved into registered dataclasses keep their keys, defaults and spellings.
+Changed since on purpose (issue 19): `algorithm.daa` gained `amplification` and `history_decay`, and
+its defaults and the DA3PO recipes became the paper's rule (`factor: constant`, `difficulty: group`);
+`trainer.max_generated_tokens` (default 0) is new."""
 
 import json
 from pathlib import Path

@@ -20,7 +20,7 @@ def test_exact_registry_names():
     # the torch-free registrations the config takes its choices and options from
     assert ADV_ESTIMATOR_SPECS.names() == ["grpo", "reinforce_plus_plus_baseline", "rloo"]
     assert POLICY_LOSS_OPTIONS.names() == ["cispo", "gspo", "vanilla"]
-    assert DAA_FACTOR_OPTIONS.names() == ["balanced", "power"]
+    assert DAA_FACTOR_OPTIONS.names() == ["balanced", "constant", "power"]
 
 
 def test_algorithms_import_no_heavy_frameworks():
