@@ -178,10 +178,11 @@ def _convert(argv: list[str]) -> int:
     to_hf.add_argument("--checkpoint", required=True, help="run dir (latest checkpoint), iter folder or dist checkpoint")
     to_hf.add_argument("--out", required=True, help="HF folder to write")
     to_hf.add_argument("--hf-config-dir", default=None,
-                       help="folder with config.json + tokenizer (default: the run's model.path)")
+                       help="folder with config.json + tokenizer, or a cached hub id (default: the run's model.path)")
     to_hf.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     to_mg = sub.add_parser("to-megatron", help="HF folder -> model-only megatron dist checkpoint (any TP/PP loads it)")
-    to_mg.add_argument("--hf", required=True, help="Hugging Face model folder")
+    to_mg.add_argument("--hf", required=True,
+                       help="Hugging Face model folder, or hub id ORG/NAME[@REVISION] from the local HF cache")
     to_mg.add_argument("--out", required=True, help="empty folder for the dist checkpoint")
     to_mg.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     to_mg.add_argument("--tensor-model-parallel-size", type=int, default=1,
@@ -220,12 +221,14 @@ def _eval(argv: list[str]) -> int:
         "bootstrap CIs, per-problem JSONL, response lengths (DAPO's settings by default: T=1.0, top_p=0.7).",
     )
     src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--checkpoint", help="HF model folder, or megatron run dir / iter_NNNNNNN folder")
+    src.add_argument("--checkpoint", help="HF model folder, hub id ORG/NAME[@REVISION] (local HF cache), or megatron "
+                     "run dir / iter_NNNNNNN folder")
     src.add_argument("--server-url", help="a running server speaking SGLang's HTTP API")
     parser.add_argument("--data", nargs="+", required=True,
                         help="benchmarks (aime24 aime25 amc23 math500 gsm8k) or verl-format files (PATH[:ADAPTER])")
     parser.add_argument("--out", required=True, help="output folder (results.json, per_problem/*.jsonl)")
-    parser.add_argument("--data-dir", default=None, help="folder of the benchmark files (default ../shared/data)")
+    parser.add_argument("--data-dir", default=None, help="folder of the benchmark files (default: $MEGATRON_RL_DATA_DIR, else the copies "
+                        "shipped in megatron_rl/eval/data)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model's)")
     parser.add_argument("--n", type=int, default=32, help="samples per problem (default 32, DAPO's avg@32)")
     parser.add_argument("--temperature", type=float, default=1.0)

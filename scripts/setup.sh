@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up megatron-rl from nothing: a Python 3.12 virtual environment in .venv with the package
-# and its test dependencies. Idempotent: a second run only checks what is installed.
+# and its test dependencies at the tested versions (constraints.txt). Idempotent: a second run
+# only checks what is installed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,9 +22,12 @@ if [ ! -x .venv/bin/python ]; then
   $PY -m venv .venv
   .venv/bin/python -m pip install -q --upgrade pip
 fi
+# The exact tested versions (constraints.txt) inside setup.py's ranges; reinstalled when either file
+# is newer than the stamp, or when their content changed (a checkout that keeps old mtimes).
 STAMP=.venv/.megatron-rl-installed
-if [ ! -f "$STAMP" ] || [ setup.py -nt "$STAMP" ]; then
-  .venv/bin/python -m pip install -q -e ".[test]"
-  touch "$STAMP"
+WANT=$(cat setup.py constraints.txt | cksum)
+if [ ! -f "$STAMP" ] || [ setup.py -nt "$STAMP" ] || [ constraints.txt -nt "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
+  .venv/bin/python -m pip install -q -c constraints.txt -e ".[test]"
+  echo "$WANT" > "$STAMP"
 fi
 .venv/bin/python -W ignore -c "import logging; logging.disable(logging.WARNING); import megatron.core, torch, transformers; print(f'megatron-rl env ready: torch {torch.__version__}, megatron-core {megatron.core.__version__}, transformers {transformers.__version__}')"

@@ -42,6 +42,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
+from megatron_rl.models.hub import resolve_model_path
+
 logger = logging.getLogger(__name__)
 
 # Files of an HF model folder that are not weights and travel with a conversion.
@@ -102,7 +104,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> tuple[Path, Optional[Path]]:
 def _model_source_dir(ckpt: Path, iter_dir: Optional[Path], hf_dir: Optional[str]) -> Path:
     """The HF folder that holds config.json and the tokenizer for an export."""
     if hf_dir is not None:
-        return Path(hf_dir)
+        return Path(resolve_model_path(str(hf_dir), what="--hf-config-dir"))  # a hub id -> the HF cache
     if (ckpt / "hf" / "config.json").is_file():  # written by import_from_hf
         return ckpt / "hf"
     if iter_dir is not None and (iter_dir / "config.yaml").is_file():
@@ -260,7 +262,7 @@ def import_from_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dty
     from megatron_rl.models.hf_config import build_transformer_config
     from megatron_rl.models.hf_weights import HFTensors, check_hf_checkpoint, global_chunk_from_hf
 
-    src = Path(hf_dir)
+    src = Path(resolve_model_path(str(hf_dir), what="--hf"))  # a hub id (ORG/NAME[@REV]) -> the HF cache
     if not (src / "config.json").is_file():
         raise FileNotFoundError(f"{src}: no config.json (not a Hugging Face model folder)")
     hf_config = json.loads((src / "config.json").read_text())

@@ -12,9 +12,11 @@ from typing import Any
 
 import yaml
 
+from megatron_rl.config.hub_ids import looks_like_hub_id
 from megatron_rl.config.schema import SECRET_KEYS, Config
 from megatron_rl.config.validate import validate_config
 from megatron_rl.errors import ConfigError
+
 
 logger = logging.getLogger(__name__)
 
@@ -230,19 +232,24 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
 
 _PATH_KEYS = ("model.path", "model.hf_config_path", "model.tokenizer_path")
 _PATH_LIST_KEYS = ("data.train_files", "data.val_files")
+_HUB_KEYS = ("model.path", "model.tokenizer_path")
+"""Keys that may hold a Hugging Face hub id instead of a folder (kept as written when no such
+folder exists next to the recipe; `models.hub.resolve_model_path` finds them in the cache)."""
 
 
 def _resolve_paths(tree: dict, base: Path) -> None:
-    def fix(p: Any) -> Any:
+    def fix(p: Any, hub_ok: bool = False) -> Any:
         if isinstance(p, str) and p and not os.path.isabs(p) and not p.startswith(("http://", "https://")):
             cand = (base / p).resolve()
+            if hub_ok and not cand.exists() and looks_like_hub_id(p):
+                return p  # a hub id (ORG/NAME[@REV]), resolved from the HF cache where the model is opened
             return str(cand)
         return p
 
     for key in _PATH_KEYS:
         sec, name = key.split(".")
         if isinstance(tree.get(sec), dict) and name in tree[sec]:
-            tree[sec][name] = fix(tree[sec][name])
+            tree[sec][name] = fix(tree[sec][name], hub_ok=key in _HUB_KEYS)
     for key in _PATH_LIST_KEYS:
         sec, name = key.split(".")
         if isinstance(tree.get(sec), dict) and isinstance(tree[sec].get(name), list):

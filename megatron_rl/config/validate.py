@@ -14,8 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from megatron_rl.algorithms.options import ADV_ESTIMATOR_SPECS, check_group_size
+from megatron_rl.config.hub_ids import cached_file
 from megatron_rl.config.schema import Config
 from megatron_rl.errors import ConfigError
+
 
 
 def _check_finite(obj: Any, prefix: str = "") -> None:
@@ -102,13 +104,13 @@ def validate_config(cfg: Config) -> None:
     if t.sequence_parallel and t.tensor_model_parallel_size == 1:
         raise ConfigError("trainer.sequence_parallel needs trainer.tensor_model_parallel_size > 1")
     if cfg.model.path is None and cfg.model.hf_config_path is None:
-        raise ConfigError("model.path (a Hugging Face model folder) is required")
+        raise ConfigError("model.path (a Hugging Face model folder or hub id ORG/NAME[@REVISION]) is required")
     _check_model_layout(cfg)
 
 
 def _check_model_layout(cfg: Config) -> None:
     """Static checks of the parallel layout against the model's config.json, when it is readable."""
-    cands = [Path(cfg.model.path) / "config.json"] if cfg.model.path else []
+    cands = [cached_file(cfg.model.path, "config.json") or Path(cfg.model.path) / "config.json"] if cfg.model.path else []
     if cfg.model.hf_config_path:
         cands.append(Path(cfg.model.hf_config_path))
     src = next((c for c in cands if c.is_file()), None)

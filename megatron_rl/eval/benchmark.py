@@ -31,6 +31,7 @@ from typing import Any, Optional
 
 from megatron_rl.data.dataset import PromptRow, load_rows
 from megatron_rl.eval.metrics import avg_at_k, bootstrap_ci, length_stats, maj_at_k, pass_at_k
+from megatron_rl.models.hub import looks_like_hub_id, resolve_model_path
 from megatron_rl.rewards.math_answer import verifier_for_source
 from megatron_rl.rewards.math_dapo import normalize_answer
 
@@ -46,10 +47,14 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
 """Benchmark name -> (file in the data dir, dataset adapter)."""
 
 
+PACKAGE_DATA_DIR = Path(__file__).resolve().parent / "data"
+"""The benchmark files shipped with the package (sources, licences and sha256 in its PROVENANCE.md)."""
+
+
 def default_data_dir() -> Path:
-    """`$MEGATRON_RL_DATA_DIR`, else `shared/data` next to the repository checkout."""
+    """`$MEGATRON_RL_DATA_DIR`, else the copies shipped in the package (`megatron_rl/eval/data`)."""
     env = os.environ.get("MEGATRON_RL_DATA_DIR")
-    return Path(env) if env else Path(__file__).resolve().parents[3] / "shared" / "data"
+    return Path(env) if env else PACKAGE_DATA_DIR
 
 
 def load_benchmark(spec: str, data_dir: Optional[Path] = None) -> tuple[str, list[PromptRow]]:
@@ -309,7 +314,7 @@ def run_eval(*, datasets: Sequence[str], out_dir: str | os.PathLike, checkpoint:
     loaded = unique_names([load_benchmark(d, Path(data_dir) if data_dir else None) for d in datasets])
     with ExitStack() as stack:
         if checkpoint is not None:
-            ckpt = Path(checkpoint)
+            ckpt = Path(resolve_model_path(str(checkpoint), what="--checkpoint"))  # a hub id -> the HF cache
             if not ckpt.exists():
                 raise FileNotFoundError(f"{ckpt}: no such checkpoint (an HF folder, a run dir or an iter_NNNNNNN folder)")
             if _is_hf_folder(ckpt):
@@ -323,8 +328,9 @@ def run_eval(*, datasets: Sequence[str], out_dir: str | os.PathLike, checkpoint:
                 model_dir, log_path=out / "rollout_server.log", extra_args=list(server_args),
                 startup_timeout_s=startup_timeout_s))
             client = server.client()
-            tok_path = tokenizer_path or str(model_dir)
-            settings.extra["model"] = str(ckpt)
+            tok_path = resolve_model_path(tokenizer_path, what="--tokenizer", require="") or str(model_dir)
+            settings.extra["model"] = str(checkpoint) if looks_like_hub_id(str(checkpoint)) and not Path(
+                str(checkpoint)).exists() else str(ckpt)
         else:
             client = RolloutClient(server_url)
             client.wait_healthy(timeout_s=startup_timeout_s)

@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megatron_rl.versions import check_torch_version
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED_MEGATRON_CORE_PREFIX = "0.19"
@@ -199,12 +201,14 @@ def enable_cpu_compat() -> bool:
         is available, in which case nothing is changed.
 
     Raises:
-        RuntimeError: megatron-core is not the pinned 0.19.x version.
+        RuntimeError: megatron-core is not the pinned 0.19.x version, or torch is outside the
+            supported range (`megatron_rl.versions`: >=2.6.0,<3).
     """
     if _state["enabled"]:
         return True
     if torch.cuda.is_available():
         return False
+    check_torch_version(__name__)
     _check_megatron_version()
     _patch_torch_cuda()
     _patch_megatron()

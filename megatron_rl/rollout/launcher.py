@@ -26,6 +26,7 @@ from pathlib import Path
 
 from megatron_rl.ports import find_free_port
 from megatron_rl.errors import RolloutServerError
+from megatron_rl.models.hub import resolve_model_path
 from megatron_rl.rollout.client import RolloutClient
 from megatron_rl.rollout.engine import ENGINE_BACKENDS, EngineBackend
 
@@ -381,6 +382,7 @@ def launch_rollout_server(
             the message holds the last 40 lines of its log.
     """
     extra_args = [str(a) for a in extra_args]
+    model_path = resolve_model_path(str(model_path), what="rollout server --model-path")  # hub id -> HF cache
     return _start(
         lambda ports: build_embedded_command(model_path, host=host, port=ports[0], extra_args=extra_args),
         (port,) if port is not None else None, 1, host=host, log_path=log_path,
@@ -479,7 +481,8 @@ def launch_servers(
     for key in ("embedded_args", "sglang_args"):
         if key in spec_fields:
             spec_fields[key] = tuple(str(a) for a in spec_fields[key] or ())
-    spec = LaunchSpec(model_path=str(model_path), **spec_fields)
+    model_path = resolve_model_path(str(model_path), what="rollout server --model-path")  # hub id -> HF cache
+    spec = LaunchSpec(model_path=model_path, **spec_fields)
     port_sets = allocate_server_ports(num_servers, host=spec.host, ports=ports, per_server=kind.ports_per_server)
 
     def make_cmd(ports_: tuple[int, ...]) -> list[str]:

@@ -35,6 +35,7 @@ def run_training(cfg: Config) -> dict:
         RolloutServerError / WeightSyncError: a rollout server that does not come up or a failed sync.
         TrainingInterrupted: SIGTERM / SIGUSR1 stopped the run (after a checkpoint, if a step ran).
     """
+    from megatron_rl.models.hub import resolve_config_models
     from megatron_rl.trainer.preflight import run_preflight
     from megatron_rl.trainer.setup import setup_logging
 
@@ -42,6 +43,7 @@ def run_training(cfg: Config) -> dict:
     run_dir = Path(cfg.run_dir)
     rank = int(os.environ.get("RANK", "0"))
     setup_logging(run_dir, rank)
+    resolve_config_models(cfg)  # hub ids (ORG/NAME[@REV]) -> the cached snapshot folder
     run_preflight(cfg)
     done = _finished_summary(cfg, run_dir)
     if done is not None:

@@ -233,12 +233,14 @@ class PolicyTrainer:
         if self.actor.tis.enable:
             w, stats = tis_weights(mb.old_logprobs, mb.rollout_logprobs, mask, clip=self.actor.tis.clip)
             token_loss = token_loss * w
-            m = mask.float()
-            sums["tis_raw"] = (torch.exp(torch.clamp(mb.old_logprobs - mb.rollout_logprobs, -20, 20)) * m).sum()
-            sums["tis_used"] = (w * m).sum()
+            # torch.where, not `* mask`: NaN/inf at masked positions would survive a multiply by 0
+            raw = torch.exp(torch.clamp(mb.old_logprobs - mb.rollout_logprobs, -20, 20))
+            sums["tis_raw"] = torch.where(mask, raw, torch.zeros_like(raw)).sum()
+            sums["tis_used"] = w.sum()  # 0 at masked positions already
         if self._kl_coef > 0:
-            kl = kl_penalty(logprobs, mb.ref_logprobs, self.actor.kl_loss_type)
-            kl = torch.where(mask, kl, torch.zeros_like(kl))
+            # the mask goes in, so masked reference log-probs are never used (a NaN there would
+            # otherwise give NaN gradients through torch.where's zero branch)
+            kl = kl_penalty(logprobs, mb.ref_logprobs, self.actor.kl_loss_type, loss_mask=mask)
             token_loss = token_loss + self._kl_coef * kl
             sums["kl"] = kl.detach().sum()
         if self.actor.entropy_coeff:

@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from megatron_rl.versions import check_torch_version
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["destroy_custom_process_group", "init_custom_process_group"]
@@ -51,7 +53,7 @@ def _options_param_name() -> str:
     if missing:
         raise RuntimeError(
             f"torch {torch.__version__}: distributed_c10d._new_process_group_helper lacks {missing}; "
-            "megatron_rl.weight_sync.group was written for torch 2.14 and must be updated"
+            "megatron_rl.weight_sync.group was written for torch >=2.6.0,<3 (tested 2.6 and 2.14) and must be updated"
         )
     if "backend_options" in params:
         return "backend_options"
@@ -90,8 +92,10 @@ def init_custom_process_group(
 
     Raises:
         ValueError: bad arguments, or ``group_name`` is already registered in this process.
-        RuntimeError / DistStoreError: the rendezvous timed out or failed.
+        RuntimeError / DistStoreError: the rendezvous timed out or failed; a torch outside the
+            supported range (`megatron_rl.versions`: >=2.6.0,<3).
     """
+    check_torch_version(__name__)  # uses the private _new_process_group_helper
     if init_method is None:
         if host is None or port is None:
             raise ValueError("give init_method='tcp://host:port' or both host and port")

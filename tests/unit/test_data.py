@@ -15,7 +15,7 @@ from megatron_rl.data.dataset import (
     load_rows,
     read_records,
 )
-from shared_data import SHARED_DATA
+from shared_data import SHARED_DATA, data_file
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = SHARED_DATA
@@ -127,15 +127,19 @@ def test_shared_files_load():
     debug = load_rows(DATA / "dapo_math_17k_debug16_verl.jsonl")
     assert len(debug) == 16 and debug[0].ground_truth == "34"
     assert debug[0].messages[0]["content"].startswith("Solve the following math problem step by step.\n\n")
-    aime = load_rows(DATA / "aime24.jsonl", adapter="aime")
+
+
+def test_benchmark_files_load():
+    """The benchmark files shipped in the package (megatron_rl/eval/data): no shared folder needed."""
+    aime = load_rows(data_file("aime24.jsonl"), adapter="aime")
     assert len(aime) == 30
     assert sorted(r.ground_truth for r in aime if r.ground_truth.startswith("0")) == [
         "023", "025", "033", "045", "055", "073", "080"]
-    assert len(load_rows(DATA / "aime25.jsonl", adapter="aime")) == 30
-    amc = load_rows(DATA / "amc23.jsonl", adapter="amc")
+    assert len(load_rows(data_file("aime25.jsonl"), adapter="aime")) == 30
+    amc = load_rows(data_file("amc23.jsonl"), adapter="amc")
     assert amc[0].ground_truth == "27" and not any(r.ground_truth.endswith(".0") for r in amc)
-    assert len(load_rows(DATA / "math500.jsonl", adapter="math500")) == 500
-    gsm = load_rows(DATA / "gsm8k_test.jsonl", adapter="gsm8k")
+    assert len(load_rows(data_file("math500.jsonl"), adapter="math500")) == 500
+    gsm = load_rows(data_file("gsm8k_test.jsonl"), adapter="gsm8k")
     assert len(gsm) == 1319 and gsm[0].ground_truth == "18"  # Janet's ducks: (16-3-4)*2
 
 
