@@ -162,6 +162,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.parent_pid is not None:
         _watch_parent(args.parent_pid)
     torch.manual_seed(args.random_seed)
+    from megatron_rl.models.hub import resolve_model_path
+
+    given = args.model_path
+    args.model_path = resolve_model_path(given, what="rollout server --model-path")  # hub id -> the HF cache
+    if args.model_path != given:
+        logger.info("model %s resolved to %s", given, args.model_path)
     logger.info("loading %s (dtype=%s)", args.model_path, args.dtype)
     model, torch_dtype, eos = _load_model(args.model_path, args.dtype, args.attn_implementation)
     engine = GenerationEngine(
