@@ -68,6 +68,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
         default=None,
         help="exit when this process dies (the trainer that launched the server; SGLang's watchdog does the same)",
     )
+    p.add_argument("--run-dir", default=None,
+                   help="the training run this server serves (logged; lets process listings tell servers apart)")
     return p
 
 

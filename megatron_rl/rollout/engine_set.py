@@ -70,7 +70,8 @@ class EngineSet:
             embedded_args=["--max-batch-size", str(r.server_max_batch_size),
                            # the server's rendezvous / broadcast timeout = the trainer's (a failed
                            # group set-up frees the server's control thread as soon as the trainer gives up)
-                           "--weight-sync-timeout-s", str(cfg.weight_sync.timeout_s)],
+                           "--weight-sync-timeout-s", str(cfg.weight_sync.timeout_s),
+                           "--run-dir", str(cfg.run_dir)],
             sglang_python=r.sglang_python,
             tp_size=r.tp_size, mem_fraction_static=r.mem_fraction_static, skip_tokenizer_init=r.skip_tokenizer_init,
             sglang_args=r.sglang_extra_args,

@@ -76,3 +76,50 @@ def test_two_refused_syncs_stop_every_rank_with_the_checkpoint_intact(tmp_path):
     assert (ckpts / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
     assert not (ckpts / "iter_0000002").exists()
     assert _no_server_left(run_dir)
+
+
+def test_server_killed_mid_rollout_is_restarted_and_every_rank_resyncs(clean_run, tmp_path):
+    """The only rollout server is killed (SIGKILL) while step 2 generates: the controller restarts
+    it and publishes the current weights at once; the other trainer rank, waiting for the step's
+    batch, receives the weight publisher's plan instead and takes part in the TP gathers of the
+    re-sync; the step completes and the run's sampled tokens and metrics equal a run without
+    faults (deterministic inference, seeded requests retried with the same seeds)."""
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    env = dict(os.environ)
+    env.pop(FAULT_REFUSE_UPDATES_ENV, None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "megatron_rl.cli", "train", "--config", str(ROOT / "examples/tiny/ci.yaml"),
+         f"run_dir={run_dir}", f"trainer.total_training_steps={STEPS}", "trainer.progress_bar=false",
+         "trainer.save_interval=1", "eval.max_problems=8", "eval.n=1", "eval.interval=0",
+         "data.train_batch_size=4", "data.gen_batch_size=6", "rollout.n=4", "actor.ppo_mini_batch_size=4",
+         "trainer.nproc_per_node=2", "trainer.tensor_model_parallel_size=2",
+         "rollout.enable_deterministic_inference=true", "rollout.max_server_restarts=1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    log = run_dir / "train.log"
+    try:
+        deadline = time.monotonic() + 900
+        while "step 1:" not in (log.read_text() if log.exists() else ""):
+            assert proc.poll() is None, f"run exited with {proc.returncode} before step 1"
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        server_log = (run_dir / "rollout_server_0.log").read_text()
+        pid = subprocess.run(["pgrep", "-f", f"megatron_rl.engine.*--run-dir {run_dir}"], capture_output=True,
+                             text=True).stdout.split()
+        assert len(pid) == 1, (pid, server_log[-2000:])
+        os.kill(int(pid[0]), signal.SIGKILL)
+        _, err = proc.communicate(timeout=900)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-4000:]
+    text = log.read_text()
+    assert "restarting rollout server 0" in text and "re-sync to weight version 1 done" in text, text[-3000:]
+    got = _steps(run_dir)
+    for step, want in clean_run.items():
+        for key in ("rollout/token_checksum", "train/acc", "train/loss", "train/grad_norm"):
+            assert got[step][key] == want[key], (step, key)
+    assert got[STEPS]["rollout/server_restarts"] == 1
+    assert _no_server_left(run_dir)
