@@ -42,6 +42,11 @@ def _train(argv: list[str]) -> int:
         for check in preflight.CHECKS:
             print(f"# environment check deferred to launch: {check.description} [{check.name}]")
         return 0
+    from megatron_rl.parallel.threads import size_run_threads
+
+    # before torch is imported: OpenMP reads OMP_WAIT_POLICY / OMP_NUM_THREADS when it loads
+    size_run_threads(int(os.environ.get("LOCAL_WORLD_SIZE", cfg.trainer.nproc_per_node)),
+                     0 if cfg.rollout.server_urls else cfg.rollout.num_servers, cfg.trainer.num_threads)
     if cfg.trainer.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ:
         try:  # the layout checks, before any rank starts
             preflight.run_preflight(cfg, ("world_size", "data_parallel_split"))
@@ -105,9 +110,8 @@ def _launch_local_ranks(nproc: int, argv: list[str]) -> int:
     for rank in range(nproc):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        # the rollout server started by rank 0 gets the user's thread settings back (rollout_server_env)
-        env["MEGATRON_RL_USER_OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "")
-        env.setdefault("OMP_NUM_THREADS", "1")
+        # the threads were sized by `size_run_threads` (each rank's share of the cores, passive
+        # OpenMP waiting); the rollout server started by rank 0 gets its own share (rollout_server_env)
         env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # megatron-core's advice for TP comm overlap
         procs.append(subprocess.Popen([sys.executable, "-m", "megatron_rl.cli", "train", *argv], env=env))
 
@@ -163,6 +167,7 @@ def _config_keys(argv: list[str]) -> int:
 
 
 def _rollout_server(argv: list[str]) -> int:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads sleep (before torch loads)
     from megatron_rl.engine.server import main as server_main
 
     return server_main(argv) or 0
@@ -240,6 +245,7 @@ def _eval(argv: list[str]) -> int:
                         help="requests in flight (default 256, as rollout.max_concurrency in training)")
     parser.add_argument("--server-arg", action="append", default=[], help="extra flag for the embedded server, e.g. --server-arg=--enable-deterministic-inference")
     args = parser.parse_args(argv)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # the embedded server's idle OpenMP threads sleep
 
     import logging
 
