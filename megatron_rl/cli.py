@@ -85,10 +85,14 @@ def _train(argv: list[str]) -> int:
         return 1
     if os.environ.get("RANK", "0") != "0":
         return 0
-    keys = [k for k in ("eval_before", "eval_after") if k in summary]
-    for k in keys:
-        ev = summary[k]
-        print(f"{k}: " + ", ".join(f"{m}={ev[m]:.3f}" for m in ev if isinstance(ev[m], float) and m != "wall_s"))
+    if summary.get("eval_before") and summary.get("eval_after"):
+        from megatron_rl.eval.evaluate import format_before_after
+
+        print(format_before_after(summary["eval_before"], summary["eval_after"]))
+    else:
+        for k in [k for k in ("eval_before", "eval_after") if summary.get(k)]:
+            ev = summary[k]
+            print(f"{k}: " + ", ".join(f"{m}={ev[m]:.3f}" for m in ev if isinstance(ev[m], float) and m != "wall_s"))
     print(f"summary: {cfg.run_dir}/summary.json")
     return 0
 
@@ -291,11 +295,15 @@ def _report(argv: list[str]) -> int:
     from megatron_rl.report import make_report
 
     try:
-        page = make_report(args.run_dirs, args.out, smooth=args.smooth or None)
+        skipped: list = []
+        page = make_report(args.run_dirs, args.out, smooth=args.smooth or None, skipped=skipped)
     except (ValueError, OSError) as e:  # bad metrics, missing run dir, unwritable --out: one line, no traceback
         print(f"megatron-rl report: error: {e}", file=sys.stderr)
         return 1
-    print(f"report: {page}")
+    for d, reason in skipped:
+        print(f"megatron-rl report: skipped {d}: {reason}", file=sys.stderr)
+    drawn = [d for d in args.run_dirs if d not in {s for s, _ in skipped}]
+    print(f"report: {page} (drew {len(drawn)} run{'s' if len(drawn) != 1 else ''}: {', '.join(drawn)})")
     return 0
 
 

@@ -104,6 +104,8 @@ class Run:
     total_tokens: int = 0
     start_step: int = 1
     wall_before: float = 0.0
+    t_steps: float = 0.0
+    """perf_counter() when this process began its first step (the ETA of the step lines)."""
     resumed_from: int | None = None
     summary: dict = field(default_factory=dict)
 
