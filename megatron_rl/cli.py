@@ -42,6 +42,11 @@ def _train(argv: list[str]) -> int:
         for check in preflight.CHECKS:
             print(f"# environment check deferred to launch: {check.description} [{check.name}]")
         return 0
+    from megatron_rl.parallel.threads import size_run_threads
+
+    # before torch is imported: OpenMP reads OMP_WAIT_POLICY / OMP_NUM_THREADS when it loads
+    size_run_threads(int(os.environ.get("LOCAL_WORLD_SIZE", cfg.trainer.nproc_per_node)),
+                     0 if cfg.rollout.server_urls else cfg.rollout.num_servers, cfg.trainer.num_threads)
     if cfg.trainer.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ:
         try:  # the layout checks, before any rank starts
             preflight.run_preflight(cfg, ("world_size", "data_parallel_split"))
@@ -80,10 +85,14 @@ def _train(argv: list[str]) -> int:
         return 1
     if os.environ.get("RANK", "0") != "0":
         return 0
-    keys = [k for k in ("eval_before", "eval_after") if k in summary]
-    for k in keys:
-        ev = summary[k]
-        print(f"{k}: " + ", ".join(f"{m}={ev[m]:.3f}" for m in ev if isinstance(ev[m], float) and m != "wall_s"))
+    if summary.get("eval_before") and summary.get("eval_after"):
+        from megatron_rl.eval.evaluate import format_before_after
+
+        print(format_before_after(summary["eval_before"], summary["eval_after"]))
+    else:
+        for k in [k for k in ("eval_before", "eval_after") if summary.get(k)]:
+            ev = summary[k]
+            print(f"{k}: " + ", ".join(f"{m}={ev[m]:.3f}" for m in ev if isinstance(ev[m], float) and m != "wall_s"))
     print(f"summary: {cfg.run_dir}/summary.json")
     return 0
 
@@ -105,9 +114,8 @@ def _launch_local_ranks(nproc: int, argv: list[str]) -> int:
     for rank in range(nproc):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        # the rollout server started by rank 0 gets the user's thread settings back (rollout_server_env)
-        env["MEGATRON_RL_USER_OMP_NUM_THREADS"] = os.environ.get("OMP_NUM_THREADS", "")
-        env.setdefault("OMP_NUM_THREADS", "1")
+        # the threads were sized by `size_run_threads` (each rank's share of the cores, passive
+        # OpenMP waiting); the rollout server started by rank 0 gets its own share (rollout_server_env)
         env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # megatron-core's advice for TP comm overlap
         procs.append(subprocess.Popen([sys.executable, "-m", "megatron_rl.cli", "train", *argv], env=env))
 
@@ -163,6 +171,7 @@ def _config_keys(argv: list[str]) -> int:
 
 
 def _rollout_server(argv: list[str]) -> int:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads sleep (before torch loads)
     from megatron_rl.engine.server import main as server_main
 
     return server_main(argv) or 0
@@ -243,6 +252,7 @@ def _eval(argv: list[str]) -> int:
                         help="requests in flight (default 256, as rollout.max_concurrency in training)")
     parser.add_argument("--server-arg", action="append", default=[], help="extra flag for the embedded server, e.g. --server-arg=--enable-deterministic-inference")
     args = parser.parse_args(argv)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # the embedded server's idle OpenMP threads sleep
 
     import logging
 
@@ -288,11 +298,15 @@ def _report(argv: list[str]) -> int:
     from megatron_rl.report import make_report
 
     try:
-        page = make_report(args.run_dirs, args.out, smooth=args.smooth or None)
+        skipped: list = []
+        page = make_report(args.run_dirs, args.out, smooth=args.smooth or None, skipped=skipped)
     except (ValueError, OSError) as e:  # bad metrics, missing run dir, unwritable --out: one line, no traceback
         print(f"megatron-rl report: error: {e}", file=sys.stderr)
         return 1
-    print(f"report: {page}")
+    for d, reason in skipped:
+        print(f"megatron-rl report: skipped {d}: {reason}", file=sys.stderr)
+    drawn = [d for d in args.run_dirs if d not in {s for s, _ in skipped}]
+    print(f"report: {page} (drew {len(drawn)} run{'s' if len(drawn) != 1 else ''}: {', '.join(drawn)})")
     return 0
 
 

@@ -163,6 +163,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     faulthandler.enable()  # a crash in native code leaves its stack in the log
     if args.parent_pid is not None:
         _watch_parent(args.parent_pid)
+    from megatron_rl.parallel.threads import apply_torch_threads
+
+    apply_torch_threads(torch.get_num_threads())  # the inter-op pool as the intra-op one (OMP_NUM_THREADS)
+    logger.info("torch threads %d (OMP_WAIT_POLICY=%s)", torch.get_num_threads(), os.environ.get("OMP_WAIT_POLICY"))
     torch.manual_seed(args.random_seed)
     from megatron_rl.models.hub import resolve_model_path
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
 from collections import defaultdict
 from typing import Sequence
@@ -29,8 +30,9 @@ def evaluate(manager, rows: Sequence[PromptRow], *, n: int, temperature: float, 
     """
     t0 = time.perf_counter()
     sampling = {"temperature": temperature, "top_p": top_p}
+    progress = EvalProgress(f"{tag} sampled (n={n})", len(rows), n)
     results = manager.generate(rows, n=n, sampling_params=sampling, tag=f"{tag}-sample", seed_parts=(seed,),
-                               max_new_tokens=max_new_tokens)
+                               max_new_tokens=max_new_tokens, on_response=progress.response_done)
     rewards = manager.score(rows, results)
     correct = [[bool(r.get("acc")) and not r.get("failed") for r in g] for g in rewards]
     valid = [[r.get("pred") is not None for r in g] for g in rewards]
@@ -42,8 +44,10 @@ def evaluate(manager, rows: Sequence[PromptRow], *, n: int, temperature: float, 
     }
     greedy_correct = None
     if greedy:
+        progress = EvalProgress(f"{tag} greedy", len(rows), 1)
         g_results = manager.generate(rows, n=1, sampling_params={"temperature": 0.0}, tag=f"{tag}-greedy",
-                                     seed_parts=(seed,), max_new_tokens=max_new_tokens)
+                                     seed_parts=(seed,), max_new_tokens=max_new_tokens,
+                                     on_response=progress.response_done)
         g_rewards = manager.score(rows, g_results)
         greedy_correct = [bool(g[0].get("acc")) and not g[0].get("failed") for g in g_rewards]
         out["greedy_acc"] = sum(greedy_correct) / len(rows)
@@ -65,6 +69,42 @@ def evaluate(manager, rows: Sequence[PromptRow], *, n: int, temperature: float, 
         out["by_level"] = by_level
     out["wall_s"] = time.perf_counter() - t0
     return out
+
+
+def progress_due(done: int, total: int, last_done: int, since_last_s: float, *, frac: float = 0.1,
+                 every_s: float = 15.0, min_s: float = 1.0) -> bool:
+    """Whether to log an evaluation progress line: at the end, every `frac` of the problems (but
+    not within `min_s` of the last line), or every `every_s` seconds when a problem finished."""
+    if done <= last_done:
+        return False
+    return (done == total or (done - last_done >= max(1, int(total * frac)) and since_last_s >= min_s)
+            or since_last_s >= every_s)
+
+
+class EvalProgress:
+    """Counts the finished problems (all `n` responses back) of one evaluation pass and logs
+    `eval <what>: 120/296 problems (41%), 35 s` when `progress_due` says so. Thread-safe."""
+
+    def __init__(self, what: str, total: int, n: int, *, frac: float = 0.1, every_s: float = 15.0,
+                 min_s: float = 1.0) -> None:
+        self.what, self.total, self.n, self.frac, self.every_s, self.min_s = what, total, n, frac, every_s, min_s
+        self.left = defaultdict(lambda: n)
+        self.done = self.last_done = 0
+        self.t0 = self.t_last = time.perf_counter()
+        self._lock = threading.Lock()
+
+    def response_done(self, i: int) -> None:
+        with self._lock:
+            self.left[i] -= 1
+            if self.left[i]:
+                return
+            self.done += 1
+            now = time.perf_counter()
+            if progress_due(self.done, self.total, self.last_done, now - self.t_last, frac=self.frac,
+                            every_s=self.every_s, min_s=self.min_s):
+                self.last_done, self.t_last = self.done, now
+                logger.info("eval %s: %d/%d problems (%d%%), %.0f s", self.what, self.done, self.total,
+                            100 * self.done // max(1, self.total), now - self.t0)
 
 
 def level_key(level) -> str | None:
@@ -104,3 +144,22 @@ def eval_metric_row(res: dict, prefix: str = "eval") -> dict[str, float]:
         name = re.sub(r"[^A-Za-z0-9._-]+", "_", re.sub(r"(?i)^\s*level[\s_]*", "", str(level)).strip()) or "none"
         row.update({f"{prefix}/level_{name}/{k}": v for k, v in rec.items() if isinstance(v, float)})
     return row
+
+
+def format_before_after(before: dict, after: dict) -> str:
+    """The before -> after table of two `evaluate` results (avg@k, pass@k, greedy accuracy, format
+    validity, then the same per difficulty level); metrics missing from either side are left out."""
+    keys = [k for k in after if isinstance(after[k], float) and k != "wall_s" and isinstance(before.get(k), float)]
+    lines = [f"{'held-out eval':<24} {'before':>7} {'after':>7} {'change':>7}"]
+
+    def add(label: str, b: float, a: float) -> None:
+        lines.append(f"{label:<24} {b:7.3f} {a:7.3f} {a - b:+7.3f}")
+
+    for k in keys:
+        add(k, before[k], after[k])
+    b_levels, a_levels = before.get("by_level") or {}, after.get("by_level") or {}
+    for level in [lv for lv in a_levels if lv in b_levels]:
+        b, a = b_levels[level], a_levels[level]
+        for k in [k for k in keys if k != "format_valid" and isinstance(a.get(k), float) and isinstance(b.get(k), float)]:
+            add(f"level {level} {k}", b[k], a[k])
+    return "\n".join(lines)

@@ -481,13 +481,23 @@ def _summary_table(runs: Sequence[Run]) -> str:
     return f"<table><tr>{th}</tr>{tr}</table>"
 
 
+def _skipped_note(missing: list[tuple[str, str]]) -> str:
+    if not missing:
+        return ""
+    items = "".join(f"<li>{html.escape(d)}: {html.escape(reason)}</li>" for d, reason in missing)
+    return f"<p>Skipped (not drawn):</p><ul>{items}</ul>"
+
+
 def make_report(run_dirs: Sequence[str | os.PathLike], out_dir: Optional[str | os.PathLike] = None, *,
-                smooth: Optional[int] = None) -> Path:
+                smooth: Optional[int] = None, skipped: Optional[list] = None) -> Path:
     """Write `<out>/<panel>.png` and `<out>/report.html` for one or more runs (overlaid).
+
+    Run dirs without metrics.jsonl (runs not made yet) are skipped: named in a warning, on the page
+    and appended to `skipped` as `(run_dir, reason)`; the others are drawn.
 
     Args:
         run_dirs: run folders holding metrics.jsonl (names in legends: the folder names).
-        out_dir: output folder; default `<first run dir>/report`.
+        out_dir: output folder; default `<first drawn run dir>/report`.
         smooth: moving-average window in steps for training curves (None: about 1/15 of the run).
 
     Returns:
@@ -495,15 +505,27 @@ def make_report(run_dirs: Sequence[str | os.PathLike], out_dir: Optional[str | o
 
     Raises:
         ValueError: no run dirs, no plottable metric in any run, or a bad metrics.jsonl (see `load_run`).
-        FileNotFoundError: a run dir without metrics.jsonl.
+        FileNotFoundError: no run dir holds a metrics.jsonl (the message names each).
         NotADirectoryError: out_dir is a file.
         OSError: the output folder cannot be created or written, or a file cannot be read.
     """
     if not run_dirs:
         raise ValueError("no run dirs given")
-    runs = [load_run(d) for d in run_dirs]
+    runs, missing = [], []
+    for d in run_dirs:
+        try:
+            runs.append(load_run(d))
+        except FileNotFoundError as e:  # a run not made (yet): skipped and named, the others drawn
+            missing.append((str(d), str(e)))
+    if not runs:
+        raise FileNotFoundError("; ".join(reason for _, reason in missing) + " (nothing to draw)")
+    if skipped is not None:
+        skipped.extend(missing)
+    else:
+        for d, reason in missing:
+            logger.warning("report: skipped %s: %s", d, reason)
     _unique_names(runs)
-    out = Path(out_dir) if out_dir else Path(run_dirs[0]) / "report"
+    out = Path(out_dir) if out_dir else runs[0].path / "report"
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"{out} is a file, expected a folder for the report")
     try:
@@ -537,6 +559,7 @@ nav a {{ margin-right: 12px; }}
 </style></head><body>
 <h1>megatron-rl report: {html.escape(names)}</h1>
 {_summary_table(runs)}
+{_skipped_note(missing)}
 <nav>{" ".join(nav)}</nav>
 {chr(10).join(sections)}
 </body></html>

@@ -23,20 +23,21 @@ _TRAINER_ONLY_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GR
                      "TORCHELASTIC_RUN_ID", "CUDA_DEVICE_MAX_CONNECTIONS", "MEGATRON_RL_USER_OMP_NUM_THREADS")
 
 
-def rollout_server_env() -> dict[str, str]:
+def rollout_server_env(servers: int = 1) -> dict[str, str]:
     """The environment of an embedded rollout server: this process's, without the trainer's
-    rank variables, and with the user's OMP_NUM_THREADS rather than the one-thread-per-rank value
-    the local launcher sets (the server's thread count changes its numerics, so it must not depend
-    on the trainer's layout)."""
+    rank variables, with the user's OMP_NUM_THREADS if one was given, otherwise the server's share
+    of the usable cores (`parallel/threads.thread_share`: it does not depend on the trainer's
+    layout, since the server's thread count changes its numerics), MKL_NUM_THREADS alike, and
+    passive OpenMP waiting unless the user set OMP_WAIT_POLICY."""
+    from megatron_rl.parallel.threads import USER_OMP_ENV, run_thread_share
+
     env = dict(os.environ)
-    user_threads = env.get("MEGATRON_RL_USER_OMP_NUM_THREADS")
+    user_threads = env.get(USER_OMP_ENV, env.get("OMP_NUM_THREADS", ""))
     for key in _TRAINER_ONLY_ENV:
         env.pop(key, None)
-    if user_threads is not None:
-        if user_threads:
-            env["OMP_NUM_THREADS"] = user_threads
-        else:
-            env.pop("OMP_NUM_THREADS", None)
+    threads = user_threads or str(run_thread_share(1, servers).server)
+    env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return env
 
 
@@ -64,7 +65,7 @@ class EngineSet:
         cfg, r = self.cfg, self.cfg.rollout
         self.processes = launch_servers(
             r.backend, cfg.model.path, r.num_servers, ports=r.server_ports, log_dir=cfg.run_dir,
-            startup_timeout_s=r.startup_timeout_s, env=rollout_server_env(), api_key=r.api_key,
+            startup_timeout_s=r.startup_timeout_s, env=rollout_server_env(r.num_servers), api_key=r.api_key,
             admin_api_key=r.admin_api_key, random_seed=cfg.trainer.seed,
             enable_deterministic_inference=r.enable_deterministic_inference,
             embedded_args=["--max-batch-size", str(r.server_max_batch_size),

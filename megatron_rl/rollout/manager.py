@@ -166,11 +166,13 @@ class RolloutManager:
         tag: str,
         seed_parts: tuple,
         max_new_tokens: Optional[int] = None,
+        on_response=None,
     ) -> list[list]:
         """Sample `n` responses for every row; returns GenerateResults as [P][n], in input order.
 
         `tag` prefixes every request id (`{tag}-p{i}-r{j}`) so a whole batch can be aborted by
         prefix; `seed_parts` (e.g. (seed, step, batch)) are mixed into each `sampling_seed`.
+        `on_response(i)`, if given, is called (on a worker thread) when a response of row i ends.
         """
         max_new = max_new_tokens or self.max_response_length
         futures = []
@@ -181,6 +183,8 @@ class RolloutManager:
                 params["max_new_tokens"] = max_new
                 params["sampling_seed"] = derive_seed(*seed_parts, i, j)
                 futures.append(self._executor.submit(self._generate_one, i * n + j, ids, params, f"{tag}-p{i}-r{j}"))
+                if on_response is not None:
+                    futures[-1].add_done_callback(lambda f, i=i: on_response(i))
         results = [f.result() for f in futures]
         return [results[i * n : (i + 1) * n] for i in range(len(rows))]
 

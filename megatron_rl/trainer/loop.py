@@ -19,7 +19,7 @@ from megatron_rl.config import Config
 from megatron_rl.errors import RolloutServerError, WeightSyncError
 from megatron_rl.parallel.control import ControllerFailed, broadcast_object, receive_from_controller, send_to_ranks
 from megatron_rl.trainer.signals import ExitSignal, TrainingInterrupted
-from megatron_rl.trainer.step_metrics import step_metrics
+from megatron_rl.trainer.step_metrics import step_metrics, step_progress
 from megatron_rl.weight_sync.publisher import SyncPlan
 
 logger = logging.getLogger(__name__)
@@ -109,6 +109,7 @@ def _train(run, stop: ExitSignal, stack: contextlib.ExitStack) -> dict:
         logger.warning("%s received before step %d: exiting without training it", stop.signal_name, run.start_step)
         raise TrainingInterrupted(run.start_step - 1, run.run_dir, trained=False)
     step = run.start_step - 1  # the last step run: none yet (the checkpoint resumed from)
+    run.t_steps = time.perf_counter()
     for step in range(run.start_step, end + 1):
         t_step = time.perf_counter()
         produced, batch = _produce(run, step)
@@ -194,8 +195,11 @@ def _record(run, step: int, produced, batch, times: dict, progress, last: bool) 
         progress.update(1)
         progress.set_postfix(acc=f"{m['train/acc']:.2f}", kept=m["train/kept_groups"],
                              len=f"{m['response_length/mean']:.0f}")
-    logger.info("step %d: acc %.3f score %.3f kept %d gen_batches %d loss %.4f grad_norm %.3f (%.1fs)",
-                step, m["train/acc"], m["train/score"], m["train/kept_groups"], m["train/num_gen_batches"],
+    now = time.perf_counter()
+    where = step_progress(step, cfg.trainer.total_training_steps, run.start_step, now - run.t_steps,
+                          run.wall_before + now - run.t_start)
+    logger.info("%s: acc %.3f score %.3f kept %d gen_batches %d loss %.4f grad_norm %.3f (%.1fs)",
+                where, m["train/acc"], m["train/score"], m["train/kept_groups"], m["train/num_gen_batches"],
                 m["train/loss"], m["train/grad_norm"], m["timing/step_s"])
 
 

@@ -104,6 +104,8 @@ class Run:
     total_tokens: int = 0
     start_step: int = 1
     wall_before: float = 0.0
+    t_steps: float = 0.0
+    """perf_counter() when this process began its first step (the ETA of the step lines)."""
     resumed_from: int | None = None
     summary: dict = field(default_factory=dict)
 
@@ -124,8 +126,11 @@ def _init_parallel(cfg: Config, stack: contextlib.ExitStack):
     from megatron_rl.parallel.cpu_compat import enable_cpu_compat
     from megatron_rl.parallel.groups import destroy_parallel, initialize_parallel, world_of_one
 
-    if cfg.trainer.num_threads:
-        torch.set_num_threads(cfg.trainer.num_threads)
+    from megatron_rl.parallel.threads import apply_torch_threads, run_thread_share, user_omp_threads
+
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.trainer.nproc_per_node))
+    servers = 0 if cfg.rollout.server_urls else cfg.rollout.num_servers
+    apply_torch_threads(cfg.trainer.num_threads or user_omp_threads() or run_thread_share(ranks, servers).rank)
     enable_cpu_compat()
     t = cfg.trainer
     layout = dict(

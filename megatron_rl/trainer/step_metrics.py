@@ -94,3 +94,24 @@ def step_metrics(produced: ProducedStep, batch, history: list[dict], times: dict
     })
     m.update({k: v for k, v in sync_metrics.items() if isinstance(v, (int, float))})
     return m
+
+
+def format_duration(seconds: float) -> str:
+    """`42s`, `3m05s`, `1h02m` (negative or unknown: `?`)."""
+    if seconds is None or seconds != seconds or seconds < 0:
+        return "?"
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def step_progress(step: int, total: int, first_step: int, steps_elapsed_s: float, run_elapsed_s: float) -> str:
+    """`step 5/80 elapsed 1m02s ETA 15m30s`: the ETA extrapolates the mean time of the steps this
+    process ran (`first_step`..`step`, taking `steps_elapsed_s`) over the steps left; `elapsed` is the
+    run's wall time (a resumed run counts its earlier part too)."""
+    done = step - first_step + 1
+    eta = steps_elapsed_s / done * (total - step) if done > 0 else float("nan")
+    return f"step {step}/{total} elapsed {format_duration(run_elapsed_s)} ETA {format_duration(eta)}"

@@ -275,3 +275,30 @@ def test_run_dot_named_after_the_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(d)
     page = make_report(["."], tmp_path / "rep").read_text()
     assert "<title>megatron-rl report: my_run</title>" in page and "<td>my_run</td>" in page
+
+
+def test_missing_runs_skipped_and_named(tmp_path, capsys):
+    # the README's comparison with only the DA3PO run made: that one is drawn, the others named
+    d = _write_metrics(tmp_path / "tiny-da3po", '{"step": 1, "train/score": 0.1}\n{"step": 2, "train/score": 0.3}\n')
+    grpo, dapo = tmp_path / "tiny-grpo", tmp_path / "tiny-dapo"
+    rc = __import__("megatron_rl.cli", fromlist=["main"]).main(
+        ["report", str(grpo), str(dapo), str(d), "--out", str(tmp_path / "cmp")])
+    out, err = capsys.readouterr()
+    assert rc == 0
+    assert err.splitlines() == [f"megatron-rl report: skipped {grpo}: {grpo / 'metrics.jsonl'}: no metrics.jsonl "
+                                f"(is {grpo} a run dir?)",
+                                f"megatron-rl report: skipped {dapo}: {dapo / 'metrics.jsonl'}: no metrics.jsonl "
+                                f"(is {dapo} a run dir?)"]
+    assert out.strip() == f"report: {tmp_path / 'cmp' / 'report.html'} (drew 1 run: {d})"
+    page = (tmp_path / "cmp" / "report.html").read_text()
+    assert "Skipped (not drawn)" in page and str(grpo) in page
+    skipped = []
+    assert make_report([grpo, d], skipped=skipped) == d / "report" / "report.html"  # default out: the drawn run
+    assert [s for s, _ in skipped] == [str(grpo)]
+
+
+def test_no_run_drawn_is_an_error(tmp_path, capsys):
+    rc, err = _cli([str(tmp_path / "a"), str(tmp_path / "b")], capsys)
+    assert rc == 1 and err.count("\n") == 1
+    assert err.startswith("megatron-rl report: error: ") and str(tmp_path / "a") in err and str(tmp_path / "b") in err
+    assert "nothing to draw" in err
