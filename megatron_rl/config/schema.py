@@ -30,6 +30,12 @@ from megatron_rl.algorithms.options import (
 from megatron_rl.errors import ConfigError
 
 
+ROLLOUT_BACKEND_PORTS: dict[str, int] = {"embedded": 1, "sglang": 2, "vllm": 1, "vllm-embedded": 1}
+"""`rollout.backend` names -> TCP ports one engine of that backend needs (HTTP first; SGLang then its
+`--nccl-port`). The registry `megatron_rl.rollout.engine.ENGINE_BACKENDS` holds the same names (a
+unit test checks it); kept here so that the config stays free of torch and of the launchers."""
+
+
 def _choice(section: str, name: str, value, allowed) -> None:
     check_choice(f"{section}.{name}", value, allowed)
 
@@ -88,22 +94,32 @@ class DataConfig:
 @dataclass(kw_only=True)
 class RolloutConfig:
     backend: str = "embedded"
-    """Which servers `megatron-rl train` starts when `server_urls` is empty: `embedded` (the
-    project's HF-transformers server speaking SGLang's HTTP API) or `sglang`
-    (`<sglang_python> -m sglang.launch_server`). With `server_urls` set nothing is started."""
+    """Which servers `megatron-rl train` starts (or, with `server_urls`, which API the given ones
+    speak): `embedded` (the project's HF-transformers server speaking SGLang's HTTP API), `sglang`
+    (`<sglang_python> -m sglang.launch_server`), `vllm` (`<vllm_python> -m
+    vllm.entrypoints.openai.api_server` with native NCCL weight transfer, vLLM 0.33.x's API,
+    docs/VLLM_API.md) or `vllm-embedded` (the embedded server speaking vLLM's API, a CPU stand-in
+    for a vLLM server: the vLLM client path end to end where vLLM cannot run)."""
     server_urls: list[str] = field(default_factory=list)
     """Base URLs of running rollout servers; empty = start `num_servers` servers of `backend`."""
     num_servers: int = 1
     """Servers to start when `server_urls` is empty."""
     server_ports: list[int] = field(default_factory=list)
-    """Explicit ports of the started servers: one per server (embedded) or two per server, HTTP
-    then `--nccl-port` (sglang); all distinct. Empty = free ports picked at launch (case B31)."""
+    """Explicit ports of the started servers: one per server (embedded, vllm, vllm-embedded) or two
+    per server, HTTP then `--nccl-port` (sglang); all distinct. Empty = free ports picked at launch (case B31)."""
     sglang_python: str = "python"
     """Interpreter of the environment SGLang is installed in (it pins its own torch)."""
+    vllm_python: str = "python"
+    """Interpreter of the environment vLLM 0.33.x is installed in (`rollout.backend: vllm`; vLLM pins
+    its own torch, so it never shares the trainer's environment and the trainer never imports it)."""
+    vllm_extra_args: list[str] = field(default_factory=list)
+    """More `vllm.entrypoints.openai.api_server` flags, passed as given (e.g. `["--enforce-eager"]`)."""
     tp_size: int = 1
-    """SGLang `--tp-size`: GPUs per rollout engine (its ranks in the weight-sync group)."""
+    """GPUs per rollout engine (its ranks in the weight-sync group): SGLang `--tp-size`, vLLM
+    `--tensor-parallel-size`."""
     mem_fraction_static: Optional[float] = None
-    """SGLang `--mem-fraction-static` in (0, 1); None = SGLang's default."""
+    """Share of GPU memory an engine takes, in (0, 1): SGLang `--mem-fraction-static`, vLLM
+    `--gpu-memory-utilization`; None = the engine's default."""
     skip_tokenizer_init: bool = True
     """SGLang `--skip-tokenizer-init` (token ids in and out; the rollout sends ids)."""
     sglang_extra_args: list[str] = field(default_factory=list)
@@ -146,7 +162,7 @@ class RolloutConfig:
     """Embedded server: sequences decoded together."""
 
     def __post_init__(self) -> None:
-        _choice("rollout", "backend", self.backend, ("embedded", "sglang"))
+        _choice("rollout", "backend", self.backend, tuple(ROLLOUT_BACKEND_PORTS))
         _positive("rollout", "n", self.n)
         _positive("rollout", "num_servers", self.num_servers)
         _positive("rollout", "temperature", self.temperature, allow_zero=True)
@@ -164,7 +180,7 @@ class RolloutConfig:
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ConfigError(f"rollout.mem_fraction_static: {self.mem_fraction_static!r} must be in (0, 1) or null")
         if self.server_ports:
-            per = 1 if self.backend == "embedded" else 2
+            per = ROLLOUT_BACKEND_PORTS[self.backend]
             if len(self.server_ports) != per * self.num_servers:
                 raise ConfigError(f"rollout.server_ports: {len(self.server_ports)} ports given, rollout.backend="
                                  f"{self.backend} with num_servers={self.num_servers} needs {per * self.num_servers}")

@@ -31,6 +31,26 @@ def _check_finite(obj: Any, prefix: str = "") -> None:
             raise ConfigError(f"{key}: {value!r} must be a finite number")
 
 
+def _check_vllm(cfg: Config) -> None:
+    """What vLLM's weight transfer cannot do (docs/VLLM_API.md), for `vllm` and its stand-in alike."""
+    r, ws = cfg.rollout, cfg.weight_sync
+    if r.backend not in ("vllm", "vllm-embedded"):
+        return
+    if ws.load_format is not None:
+        raise ConfigError(f"weight_sync.load_format: {ws.load_format!r} is SGLang's; vLLM's /update_weights receives "
+                          f"one broadcast per tensor (set it to null with rollout.backend={r.backend})")
+    if cfg.trainer.pipeline_model_parallel_size > 1:
+        raise ConfigError(f"trainer.pipeline_model_parallel_size {cfg.trainer.pipeline_model_parallel_size} with "
+                          f"rollout.backend={r.backend}: a vLLM server has one weight-transfer group, each pipeline "
+                          "stage sends over its own (use pipeline_model_parallel_size 1)")
+    if r.backend == "vllm" and ws.backend != "nccl":
+        raise ConfigError("weight_sync.backend: vLLM's weight transfer is NCCL only (rollout.backend=vllm needs "
+                          "weight_sync.backend=nccl)")
+    if r.admin_api_key:
+        raise ConfigError(f"rollout.admin_api_key: vLLM has no admin key (its --api-key guards /v1 only); "
+                          f"unset it with rollout.backend={r.backend}")
+
+
 def validate_config(cfg: Config) -> None:
     """Cross-section static checks (DESIGN.md "Configuration checks"); raise `ConfigError` naming keys."""
     _check_finite(cfg)
@@ -50,6 +70,7 @@ def validate_config(cfg: Config) -> None:
         if getattr(d, key) not in ADAPTERS:
             raise ConfigError(f"data.{key}: {getattr(d, key)!r} is not a dataset adapter; choose one of "
                              f"{', '.join(map(repr, ADAPTERS.names()))}")
+    _check_vllm(cfg)
     if alg.filter_groups.enable and r.temperature == 0:
         raise ConfigError(
             "algorithm.filter_groups.enable with rollout.temperature=0: greedy decoding gives n identical "

@@ -12,6 +12,9 @@ control endpoints, the same response and ``finish_reason`` shapes, the same weig
 session and the same auth semantics, so the trainer cannot tell it from SGLang. It runs
 ids-in/ids-out (like ``--skip-tokenizer-init``): ``text`` prompts and stop *strings* are refused.
 
+With ``--api-dialect vllm`` it serves vLLM 0.33.x's paths and bodies instead (docs/VLLM_API.md):
+a stand-in for a vLLM server where vLLM cannot run (CPU machines), the `vllm-embedded` backend.
+
 Modules, lowest first (none imports the trainer, the rollout client side or the config):
 
 - ``bodies``: request bodies and the client-error answer (``RequestError``) of the HTTP API;
@@ -21,6 +24,7 @@ Modules, lowest first (none imports the trainer, the rollout client side or the 
   ``megatron_rl.weight_sync.session`` (DESIGN.md "Layout": the weight path is in ``weight_sync``);
 - ``test_hooks``: fault injection driven by environment variables, for tests only;
 - ``app``: the FastAPI app (thin handlers over the engine and the session);
+- ``vllm_dialect``: the same engine and session behind vLLM's paths (``--api-dialect vllm``);
 - ``server`` / ``__main__``: flags, model loading, parent watchdog, ``main()``.
 
 This package module imports nothing, so ``megatron_rl.engine.test_hooks`` stays cheap to import.

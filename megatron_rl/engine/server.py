@@ -61,6 +61,13 @@ def build_arg_parser() -> argparse.ArgumentParser:
         default=600.0,
         help="rendezvous and broadcast timeout of weight-update groups",
     )
+    p.add_argument(
+        "--api-dialect",
+        default="sglang",
+        choices=["sglang", "vllm"],
+        help="HTTP API to serve: sglang (SGLang 0.5.23's, default) or vllm (vLLM 0.33.x's paths and bodies: a CPU "
+        "stand-in for a vLLM server, the `vllm-embedded` rollout backend; docs/VLLM_API.md)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument(
         "--parent-pid",
@@ -187,9 +194,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     session = UpdateSession(engine, group_timeout_s=args.weight_sync_timeout_s, refused_calls=refused_update_calls(),
                             refused_by=FAULT_REFUSE_UPDATES_ENV)
     state = ServerState(engine=engine, session=session, model_path=args.model_path, dtype=torch_dtype, args=args)
-    app = build_app(state)
+    if args.api_dialect == "vllm":
+        from megatron_rl.engine.vllm_dialect import build_vllm_app
+
+        app = build_vllm_app(state)
+    else:
+        app = build_app(state)
     logger.info(
-        "serving on http://%s:%d (eos ids %s, weight_version %s)", args.host, args.port, eos, args.weight_version
+        "serving on http://%s:%d (%s dialect, eos ids %s, weight_version %s)", args.host, args.port,
+        args.api_dialect, eos, args.weight_version
     )
     # keep idle connections longer than clients keep them (KEEPALIVE_EXPIRY_S) so the server is
     # never the side that closes a connection a client is about to reuse

@@ -29,7 +29,7 @@ from megatron_rl.rollout.engine import RolloutEngine
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GenerateRequest", "GenerateResult", "RolloutClient", "StopReason"]
+__all__ = ["GenerateRequest", "GenerateResult", "HTTPEngineClient", "RolloutClient", "StopReason"]
 
 StopReason = Literal["eos", "stop_token", "stop_string", "length", "abort"]
 
@@ -174,9 +174,11 @@ KEEPALIVE_EXPIRY_S = 2.0
 """Idle seconds after which a pooled connection is dropped (below uvicorn's 5 s keep-alive timeout)."""
 
 
-class RolloutClient(RolloutEngine):
-    """Client of one rollout server speaking SGLang's HTTP API (the `embedded` and `sglang` backends
-    of `RolloutEngine`), one method per endpoint.
+class HTTPEngineClient(RolloutEngine):
+    """What every HTTP rollout client shares: keys, timeouts, per-thread connection pools, the retry
+    policy (module docstring), error answers as ``RolloutServerError``, ``GET /health`` and
+    ``generate_many``. The dialects are its subclasses: ``RolloutClient`` (SGLang) and
+    ``megatron_rl.rollout.vllm_client.VLLMClient`` (vLLM).
 
     Args:
         base_url: e.g. ``"http://127.0.0.1:30000"``.
@@ -230,7 +232,7 @@ class RolloutClient(RolloutEngine):
         self._closed = False
 
     def __repr__(self) -> str:  # never show keys
-        return f"RolloutClient({self.base_url!r})"
+        return f"{type(self).__name__}({self.base_url!r})"
 
     @property
     def _http(self) -> httpx.Client:
@@ -269,7 +271,7 @@ class RolloutClient(RolloutEngine):
         if self._transport is not None:
             self._transport.close()
 
-    def __enter__(self) -> RolloutClient:
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
@@ -349,19 +351,6 @@ class RolloutClient(RolloutEngine):
             )
         return body
 
-    def _control(self, path: str, body: dict, *, timeout_s: float | None = None) -> dict:
-        """POST a control body; raise unless the answer is ``success: true``."""
-        resp = self._request("POST", path, json=body, admin=True, timeout_s=timeout_s)
-        data = self._check(resp, path)
-        if isinstance(data, dict) and data.get("success") is False:
-            raise RolloutServerError(
-                f"{path} at {self.base_url} failed: {data.get('message')}",
-                url=self.base_url + path,
-                status_code=resp.status_code,
-                body=data,
-            )
-        return data if isinstance(data, dict) else {"result": data}
-
     # ---- health and info ----------------------------------------------------------------
 
     def health(self) -> None:
@@ -382,6 +371,57 @@ class RolloutClient(RolloutEngine):
             if time.monotonic() > deadline:
                 raise RolloutServerError(f"{self.base_url} not healthy after {timeout_s:.0f} s", url=self.base_url)
             time.sleep(0.2)
+
+    def generate_many(
+        self,
+        requests: Sequence[GenerateRequest],
+        max_concurrency: int = 64,
+        *,
+        eos_token_ids: Iterable[int] | None = None,
+        timeout_s: float | None = None,
+    ) -> list[GenerateResult]:
+        """Run ``requests`` concurrently (at most ``max_concurrency`` in flight).
+
+        Returns the results in the order of ``requests``, never in arrival order. The first
+        failure is raised (``RolloutServerError``) after the requests already sent complete.
+        """
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        if not requests:
+            return []
+        eos = list(eos_token_ids) if eos_token_ids is not None else None
+        with ThreadPoolExecutor(max_workers=min(max_concurrency, len(requests)), thread_name_prefix="generate") as pool:
+            futures = [
+                pool.submit(
+                    self.generate,
+                    r.input_ids,
+                    r.sampling_params,
+                    r.rid,
+                    r.return_logprob,
+                    eos_token_ids=eos,
+                    timeout_s=timeout_s,
+                )
+                for r in requests
+            ]
+            return [f.result() for f in futures]
+
+class RolloutClient(HTTPEngineClient):
+    """Client of one rollout server speaking SGLang's HTTP API (the `embedded` and `sglang` backends
+    of `RolloutEngine`), one method per endpoint. Arguments and errors: ``HTTPEngineClient``; a
+    control call answered ``success: false`` raises ``RolloutServerError`` too."""
+
+    def _control(self, path: str, body: dict, *, timeout_s: float | None = None) -> dict:
+        """POST a control body; raise unless the answer is ``success: true``."""
+        resp = self._request("POST", path, json=body, admin=True, timeout_s=timeout_s)
+        data = self._check(resp, path)
+        if isinstance(data, dict) and data.get("success") is False:
+            raise RolloutServerError(
+                f"{path} at {self.base_url} failed: {data.get('message')}",
+                url=self.base_url + path,
+                status_code=resp.status_code,
+                body=data,
+            )
+        return data if isinstance(data, dict) else {"result": data}
 
     def health_generate(self) -> None:
         """``GET /health_generate`` (a one-token generation); raises unless 200."""
@@ -449,39 +489,6 @@ class RolloutClient(RolloutEngine):
             eos_token_ids=eos_token_ids,
             return_logprob=return_logprob,
         )
-
-    def generate_many(
-        self,
-        requests: Sequence[GenerateRequest],
-        max_concurrency: int = 64,
-        *,
-        eos_token_ids: Iterable[int] | None = None,
-        timeout_s: float | None = None,
-    ) -> list[GenerateResult]:
-        """Run ``requests`` concurrently (at most ``max_concurrency`` in flight).
-
-        Returns the results in the order of ``requests``, never in arrival order. The first
-        failure is raised (``RolloutServerError``) after the requests already sent complete.
-        """
-        if max_concurrency < 1:
-            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
-        if not requests:
-            return []
-        eos = list(eos_token_ids) if eos_token_ids is not None else None
-        with ThreadPoolExecutor(max_workers=min(max_concurrency, len(requests)), thread_name_prefix="generate") as pool:
-            futures = [
-                pool.submit(
-                    self.generate,
-                    r.input_ids,
-                    r.sampling_params,
-                    r.rid,
-                    r.return_logprob,
-                    eos_token_ids=eos,
-                    timeout_s=timeout_s,
-                )
-                for r in requests
-            ]
-            return [f.result() for f in futures]
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         """``POST /abort_request``: abort every request whose rid starts with ``rid`` (or all)."""
@@ -562,8 +569,9 @@ class RolloutClient(RolloutEngine):
         """``POST /begin_weight_update`` (opens the session the update calls need)."""
         return self._control("/begin_weight_update", {"selector": selector}, timeout_s=timeout_s)
 
-    def end_weight_update(self, *, timeout_s: float | None = None) -> dict:
-        """``POST /end_weight_update`` (closes the session)."""
+    def end_weight_update(self, *, weight_version: str | None = None, timeout_s: float | None = None) -> dict:
+        """``POST /end_weight_update`` (closes the session). ``weight_version`` is ignored: SGLang
+        takes the label with the last bucket (``update_weights_from_distributed``)."""
         return self._control("/end_weight_update", {}, timeout_s=timeout_s)
 
     def update_weights_from_distributed(

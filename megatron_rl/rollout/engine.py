@@ -6,8 +6,11 @@ backend is registered in `ENGINE_BACKENDS` with how to start one engine (its com
 the ports it needs) and how to talk to it (its client class).
 
 Backends today: `embedded` (this project's server, `python -m megatron_rl.engine`) and `sglang`
-(`python -m sglang.launch_server`); both speak SGLang's HTTP API, so `RolloutClient` is the
-client of both. Method names follow SGLang's endpoints (docs/SGLANG_API.md).
+(`python -m sglang.launch_server`) speak SGLang's HTTP API, so `RolloutClient` is the client of
+both; `vllm` (`python -m vllm.entrypoints.openai.api_server`) and `vllm-embedded` (the embedded
+server with `--api-dialect vllm`, a CPU stand-in) speak vLLM's, with `VLLMClient`
+(`megatron_rl.rollout.vllm_client`). Method names follow SGLang's endpoints (docs/SGLANG_API.md);
+VLLMClient maps them onto vLLM's (docs/VLLM_API.md).
 """
 
 from __future__ import annotations
@@ -95,8 +98,10 @@ class RolloutEngine(abc.ABC):
         """Receive one bucket by broadcast from rank 0 of `group_name` while the trainer sends it."""
 
     @abc.abstractmethod
-    def end_weight_update(self, *, timeout_s: float | None = None) -> dict:
-        """Close the update session."""
+    def end_weight_update(self, *, weight_version: str | None = None, timeout_s: float | None = None) -> dict:
+        """Close the update session. `weight_version` labels the weights now held where the engine
+        takes the label here (vLLM's `/finish_weight_update`); SGLang's dialect takes it with the
+        last bucket instead and ignores it here. None: no new label (e.g. closing after an error)."""
 
     @abc.abstractmethod
     def flush_cache(self, timeout_s: float = 0.0) -> str:
@@ -122,6 +127,8 @@ class EngineBackend:
             `rollout.launcher.LaunchSpec`).
         client: `client(base_url, **keys_and_timeouts) -> RolloutEngine`.
         watchdog: wrap the command in the parent-death watchdog (engines without `--parent-pid`).
+        env: environment variables the engine needs on top of the launcher's (e.g. vLLM's
+            `VLLM_SERVER_DEV_MODE=1`).
     """
 
     name: str
@@ -129,6 +136,7 @@ class EngineBackend:
     build_command: Callable[[Any, Sequence[int]], list[str]]
     client: Callable[..., RolloutEngine]
     watchdog: bool = False
+    env: tuple[tuple[str, str], ...] = ()
 
 
 ENGINE_BACKENDS: Registry[EngineBackend] = Registry("rollout backend")
@@ -141,6 +149,6 @@ def engine_backend(name: str) -> EngineBackend:
     Raises:
         KeyError: unknown name (lists the valid ones).
     """
-    import megatron_rl.rollout.launcher  # noqa: F401  (registers `embedded` and `sglang`)
+    import megatron_rl.rollout.launcher  # noqa: F401  (registers the built-in backends)
 
     return ENGINE_BACKENDS.get(name)

@@ -75,7 +75,7 @@ class EngineSet:
                            "--run-dir", str(cfg.run_dir)],
             sglang_python=r.sglang_python,
             tp_size=r.tp_size, mem_fraction_static=r.mem_fraction_static, skip_tokenizer_init=r.skip_tokenizer_init,
-            sglang_args=r.sglang_extra_args,
+            sglang_args=r.sglang_extra_args, vllm_python=r.vllm_python, vllm_args=r.vllm_extra_args,
         )
         return [server.base_url for server in self.processes]
 

@@ -1,4 +1,8 @@
-"""Start and stop rollout servers as subprocesses, one interface for both backends.
+"""Start and stop rollout servers as subprocesses, one interface for every backend.
+
+``vllm``: ``<python> -m vllm.entrypoints.openai.api_server`` (vLLM 0.33.x, its own environment,
+``VLLM_SERVER_DEV_MODE=1``, native NCCL weight transfer) under the watchdog like SGLang;
+``vllm-embedded``: the embedded server with ``--api-dialect vllm`` (docs/VLLM_API.md).
 
 ``embedded``: ``python -m megatron_rl.engine`` (the project's HF server; ``--parent-pid``
 watchdog). ``sglang``: ``<python> -m sglang.launch_server`` with SGLang 0.5.23's flags, run by the
@@ -13,6 +17,7 @@ handles; ``ServerProcess.restart()`` starts a dead one again on the same ports.
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 import signal
@@ -29,6 +34,7 @@ from megatron_rl.errors import RolloutServerError
 from megatron_rl.models.hub import resolve_model_path
 from megatron_rl.rollout.client import RolloutClient
 from megatron_rl.rollout.engine import ENGINE_BACKENDS, EngineBackend
+from megatron_rl.rollout.vllm_client import VLLMClient
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +45,7 @@ __all__ = [
     "allocate_server_ports",
     "build_embedded_command",
     "build_sglang_command",
+    "build_vllm_command",
     "find_free_port",
     "launch_rollout_server",
     "launch_servers",
@@ -407,6 +414,8 @@ class LaunchSpec:
     mem_fraction_static: float | None = None
     skip_tokenizer_init: bool = True
     sglang_args: tuple[str, ...] = ()
+    vllm_python: str = "python"
+    vllm_args: tuple[str, ...] = ()
 
 
 def _embedded_command(spec: LaunchSpec, ports: Sequence[int]) -> list[str]:
@@ -432,12 +441,77 @@ def _sglang_command(spec: LaunchSpec, ports: Sequence[int]) -> list[str]:
     )
 
 
+def build_vllm_command(
+    model_path: str | os.PathLike,
+    *,
+    python: str,
+    host: str,
+    port: int,
+    tp_size: int = 1,
+    gpu_memory_utilization: float | None = None,
+    seed: int | None = None,
+    api_key: str | None = None,
+    extra_args: Sequence[str] = (),
+) -> list[str]:
+    """Command line of vLLM 0.33.x's OpenAI-compatible server with native NCCL weight transfer
+    (docs/VLLM_API.md): ``<python> -m vllm.entrypoints.openai.api_server --model ... --port ...
+    --tensor-parallel-size ... --weight-transfer-config '{"backend": "nccl"}'``. The dev-mode routes
+    it needs (pause, weight transfer) are on only with ``VLLM_SERVER_DEV_MODE=1`` in its environment
+    (the `vllm` backend sets it).
+
+    Args:
+        python: interpreter of the environment where vLLM is installed.
+        tp_size: ``--tensor-parallel-size``.
+        gpu_memory_utilization: ``--gpu-memory-utilization`` in (0, 1); None keeps vLLM's default.
+        seed: ``--seed``; api_key: ``--api-key`` (guards ``/v1`` only); extra_args: appended as given.
+
+    Raises:
+        ValueError: ``tp_size < 1`` or ``gpu_memory_utilization`` outside (0, 1).
+    """
+    if tp_size < 1:
+        raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+    if gpu_memory_utilization is not None and not 0.0 < gpu_memory_utilization < 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1), got {gpu_memory_utilization}")
+    cmd = [
+        python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path), "--host", host,
+        "--port", str(port), "--tensor-parallel-size", str(tp_size),
+        "--weight-transfer-config", json.dumps({"backend": "nccl"}),
+    ]
+    if gpu_memory_utilization is not None:
+        cmd += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
+    if seed is not None:
+        cmd += ["--seed", str(seed)]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    return cmd + [str(a) for a in extra_args]
+
+
+def _vllm_command(spec: LaunchSpec, ports: Sequence[int]) -> list[str]:
+    return build_vllm_command(
+        spec.model_path, python=spec.vllm_python, host=spec.host, port=ports[0], tp_size=spec.tp_size,
+        gpu_memory_utilization=spec.mem_fraction_static, seed=spec.random_seed, api_key=spec.api_key,
+        extra_args=spec.vllm_args,
+    )
+
+
+def _vllm_embedded_command(spec: LaunchSpec, ports: Sequence[int]) -> list[str]:
+    """The embedded server speaking vLLM's API (``--api-dialect vllm``): the CPU stand-in for `vllm`."""
+    return [*_embedded_command(spec, ports), "--api-dialect", "vllm"]
+
+
 ENGINE_BACKENDS.register("embedded")(
     EngineBackend(name="embedded", ports_per_server=1, build_command=_embedded_command, client=RolloutClient))
 # SGLang has no parent-death watchdog: a trainer killed outright must not leave engines behind
 ENGINE_BACKENDS.register("sglang")(
     EngineBackend(name="sglang", ports_per_server=2, build_command=_sglang_command, client=RolloutClient,
                   watchdog=True))
+# vLLM has no parent-death watchdog either; its pause and weight-transfer routes need dev mode
+ENGINE_BACKENDS.register("vllm")(
+    EngineBackend(name="vllm", ports_per_server=1, build_command=_vllm_command, client=VLLMClient, watchdog=True,
+                  env=(("VLLM_SERVER_DEV_MODE", "1"),)))
+# the same client against the embedded server in vLLM's dialect (a stand-in where vLLM cannot run)
+ENGINE_BACKENDS.register("vllm-embedded")(
+    EngineBackend(name="vllm-embedded", ports_per_server=1, build_command=_vllm_embedded_command, client=VLLMClient))
 ROLLOUT_BACKENDS = tuple(ENGINE_BACKENDS.names())
 """Names accepted by ``rollout.backend`` / ``launch_servers(backend=...)``."""
 
@@ -460,12 +534,13 @@ def launch_servers(
     start-ups overlap. Server *i* logs to ``<log_dir>/rollout_server_<i>.log``.
 
     Args:
-        backend: a name of ``ENGINE_BACKENDS`` (``embedded``, ``sglang``).
+        backend: a name of ``ENGINE_BACKENDS`` (``embedded``, ``sglang``, ``vllm``, ``vllm-embedded``).
         ports: explicit ports, ``ports_per_server`` of the backend per engine (HTTP first; SGLang
             then its NCCL port).
         spec_fields: the ``LaunchSpec`` fields (``host``, keys, ``random_seed``,
             ``enable_deterministic_inference``, ``embedded_args``, ``sglang_python``, ``tp_size``,
-            ``mem_fraction_static``, ``skip_tokenizer_init``, ``sglang_args``).
+            ``mem_fraction_static``, ``skip_tokenizer_init``, ``sglang_args``, ``vllm_python``,
+            ``vllm_args``).
         Others: as ``launch_rollout_server``.
 
     Returns:
@@ -478,12 +553,14 @@ def launch_servers(
     if backend not in ENGINE_BACKENDS:
         raise ValueError(f"rollout backend {backend!r} unknown; choose one of {', '.join(ENGINE_BACKENDS.names())}")
     kind = ENGINE_BACKENDS.get(backend)
-    for key in ("embedded_args", "sglang_args"):
+    for key in ("embedded_args", "sglang_args", "vllm_args"):
         if key in spec_fields:
             spec_fields[key] = tuple(str(a) for a in spec_fields[key] or ())
     model_path = resolve_model_path(str(model_path), what="rollout server --model-path")  # hub id -> HF cache
     spec = LaunchSpec(model_path=model_path, **spec_fields)
     port_sets = allocate_server_ports(num_servers, host=spec.host, ports=ports, per_server=kind.ports_per_server)
+    if kind.env:
+        env = {**(env if env is not None else os.environ), **dict(kind.env)}
 
     def make_cmd(ports_: tuple[int, ...]) -> list[str]:
         cmd = kind.build_command(spec, ports_)

@@ -390,7 +390,7 @@ class WeightSyncSender:
         """
         weight_version = str(weight_version)
         try:
-            self._all(lambda c: c.end_weight_update(timeout_s=self.timeout_s))
+            self._all(lambda c: c.end_weight_update(weight_version=weight_version, timeout_s=self.timeout_s))
             self._all(lambda c: c.flush_cache(timeout_s=min(30.0, self.timeout_s)))
             versions = self._all(lambda c: c.weight_version())
         except RolloutServerError as e:

@@ -1,0 +1,365 @@
+"""The embedded server in vLLM's dialect (``--api-dialect vllm``): a CPU stand-in for a vLLM 0.33.x server.
+
+A real vLLM server cannot run on the CPU machines the tests run on, so the `vllm-embedded` rollout
+backend starts this: the same generation engine and ``UpdateSession`` as the SGLang dialect
+(``megatron_rl.engine.app``), behind vLLM's paths and bodies (docs/VLLM_API.md records them with
+vLLM's source files), so that ``VLLMClient`` and the trainer's whole vLLM path run for real.
+
+Paths: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions`` (token-id prompts; answers
+``choices[0].token_ids``, ``logprobs.token_logprobs``/``tokens`` as ``token_id:<id>``,
+``finish_reason`` stop|length|abort, ``stop_reason``, ``usage``), ``POST /pause?mode=abort|wait|keep``,
+``POST /resume``, ``GET /is_paused``, ``POST /abort_requests``, ``POST /reset_prefix_cache``,
+``GET /get_world_size``, ``GET /weight_info``, ``POST /update_weight_version``,
+``POST /init_weight_transfer_engine``, ``POST /start_weight_update``,
+``POST /start_draft_weight_update``, ``POST /update_weights``, ``POST /finish_weight_update``.
+
+Where the stand-in differs from vLLM (on purpose, and only there): it has no tokenizer, so a
+completion must ask ``return_tokens_as_token_ids`` and gets ``text: ""``; a completion body with a
+field vLLM would ignore is refused (400), so that a client sending something vLLM drops is caught;
+the transfer group is a gloo group of ``megatron_rl.weight_sync.group`` on CPU (vLLM's is NCCL,
+``StatelessProcessGroup`` + ``PyNcclCommunicator``), and ``packed`` transfer is refused; no
+``/sleep``, ``/wake_up`` or ``/weight_checker``. ``--api-key`` guards ``/v1/*`` only, as vLLM's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from megatron_rl.engine.app import ServerState, _Prompt, run_requests, with_write_lock
+from megatron_rl.engine.bodies import RequestError, validation_text
+from megatron_rl.engine.sampling import parse_sampling_params
+from megatron_rl.weight_sync.session import SessionError
+
+__all__ = ["GROUP_NAME", "build_vllm_app"]
+
+GROUP_NAME = "weight_update_group"
+"""The stand-in's one transfer group. vLLM's is unnamed (one weight-transfer engine per server);
+the stand-in joins the trainer's torch group (``megatron_rl.weight_sync.group``), whose store
+prefix is the group name, so it takes the name the trainer gives stage 0's group."""
+
+
+def error(message: str, status_code: int = 400) -> JSONResponse:
+    """vLLM's ``ErrorResponse``: ``{"error": {"message", "type", "param", "code"}}``."""
+    kind = "BadRequestError" if status_code < 500 else "InternalServerError"
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": status_code}},
+                        status_code=status_code)
+
+
+class CompletionBody(BaseModel):
+    """The fields of vLLM's ``CompletionRequest`` the stand-in honours (others: 400, see module docstring)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: list[int] = Field(min_length=1)
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[str, float] | None = None
+    logprobs: int | None = None
+    n: int = 1
+    stream: bool | None = False
+    echo: bool | None = False
+    request_id: str | None = None
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+
+
+class InitInfo(BaseModel):
+    """vLLM's ``NCCLWeightTransferInitInfo`` (``nccl_common.py``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    packed: bool = False
+    packed_buffer_size_bytes: int | None = None
+    packed_num_buffers: int | None = None
+
+
+class UpdateInfo(BaseModel):
+    """vLLM's ``NCCLWeightTransferUpdateInfo`` (``nccl_engine.py``)."""
+
+    model_config = ConfigDict(extra="forbid")
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+
+
+async def _json_body(request: Request, *, optional: bool = False) -> dict:
+    raw = await request.body()
+    if not raw.strip():
+        if optional:
+            return {}
+        raise RequestError({"error": {"message": "Invalid JSON format", "type": "BadRequestError", "code": 400}})
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError:
+        raise RequestError({"error": {"message": "Invalid JSON format", "type": "BadRequestError", "code": 400}})
+    if not isinstance(data, dict):
+        raise RequestError({"error": {"message": "Expected a JSON object", "type": "BadRequestError", "code": 400}})
+    return data
+
+
+def _parse(model: type[BaseModel], data: Any, what: str) -> Any:
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise RequestError({"error": {"message": f"{what}: {validation_text(e)}", "type": "BadRequestError",
+                                      "code": 400}}) from None
+
+
+def _sampling(body: CompletionBody):
+    """The SGLang-keyed sampling parameters of a completion body, validated by the engine's own gate."""
+    if body.n != 1:
+        raise RequestError({"error": {"message": "the stand-in generates n=1 per request", "code": 400}})
+    if body.stream or body.echo:
+        raise RequestError({"error": {"message": "stream and echo are not supported by the stand-in", "code": 400}})
+    if not body.return_tokens_as_token_ids:
+        raise RequestError({"error": {"message": "the stand-in has no tokenizer: send return_tokens_as_token_ids",
+                                      "code": 400}})
+    sp: dict[str, Any] = {
+        "max_new_tokens": 16 if body.max_tokens is None else body.max_tokens,
+        "min_new_tokens": body.min_tokens,
+        "stop_token_ids": body.stop_token_ids or None,
+        "ignore_eos": body.ignore_eos,
+        "skip_special_tokens": body.skip_special_tokens,
+        "spaces_between_special_tokens": body.spaces_between_special_tokens,
+        "no_stop_trim": body.include_stop_str_in_output,
+        "sampling_seed": body.seed,
+        "logit_bias": body.logit_bias,
+        "stop": body.stop,
+    }
+    for key in ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
+        if getattr(body, key) is not None:
+            sp[key] = getattr(body, key)
+    if body.top_k is not None:
+        sp["top_k"] = -1 if body.top_k in (0, -1) else body.top_k  # vLLM's "off" is 0 (or -1)
+    return parse_sampling_params({k: v for k, v in sp.items() if v is not None})
+
+
+def completion_response(out: dict, *, request_id: str, model: str, stop_token_ids: list[int], eos: set[int],
+                        with_logprobs: bool) -> dict:
+    """vLLM's ``CompletionResponse`` for one finished request, from the engine's SGLang-shaped answer."""
+    meta, ids = out["meta_info"], list(out["output_ids"])
+    finish = meta["finish_reason"] or {}
+    ftype, matched = finish.get("type"), finish.get("matched")
+    stop_reason = None  # vLLM: the stop token id or stop string; null for EOS and length
+    if ftype == "stop" and matched is not None and not (isinstance(matched, int) and matched in eos):
+        if not isinstance(matched, int) or matched in stop_token_ids:
+            stop_reason = matched
+    logprobs = None
+    if with_logprobs:
+        lps = [float(e[0]) for e in meta["output_token_logprobs"]]
+        tokens = [f"token_id:{t}" for t in ids]
+        logprobs = {"text_offset": [0] * len(ids), "token_logprobs": lps, "tokens": tokens,
+                    "top_logprobs": [{tok: lp} for tok, lp in zip(tokens, lps)]}
+    return {
+        "id": f"cmpl-{request_id}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": "", "logprobs": logprobs, "finish_reason": ftype, "stop_reason": stop_reason,
+                     "token_ids": ids, "prompt_logprobs": None, "prompt_token_ids": None}],
+        "usage": {"prompt_tokens": meta["prompt_tokens"], "completion_tokens": meta["completion_tokens"],
+                  "total_tokens": meta["prompt_tokens"] + meta["completion_tokens"]},
+    }
+
+
+def build_vllm_app(state: ServerState) -> FastAPI:
+    """The FastAPI app of the stand-in (vLLM 0.33.x's paths, bodies and answers; see the module docstring)."""
+    app = FastAPI(title="megatron-rl embedded rollout server (vLLM dialect stand-in)", docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    engine, session, args = state.engine, state.session, state.args
+
+    @app.middleware("http")
+    async def auth(request: Request, call_next):  # vLLM: --api-key guards /v1/* only
+        if args.api_key is not None and request.url.path.startswith("/v1"):
+            header = request.headers.get("authorization", "")
+            if not (header.startswith("Bearer ") and hmac.compare_digest(header[7:].encode(), args.api_key.encode())):
+                return JSONResponse({"error": "Unauthorized"}, status_code=401)
+        return await call_next(request)
+
+    @app.exception_handler(RequestError)
+    async def on_request_error(request: Request, exc: RequestError):
+        body = exc.body
+        if isinstance(body, dict) and isinstance(body.get("error"), str):
+            return error(body["error"], exc.status_code)
+        return JSONResponse(body, status_code=exc.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError):
+        return error(str(exc.errors()))
+
+    @app.exception_handler(SessionError)
+    async def on_session_error(request: Request, exc: SessionError):
+        return error(str(exc))
+
+    # ---- health and info ---------------------------------------------------------------
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models():
+        return JSONResponse({"object": "list", "data": [{
+            "id": state.model_path, "object": "model", "created": int(time.time()), "owned_by": "vllm",
+            "root": state.model_path, "parent": None, "max_model_len": engine.max_context_len, "permission": []}]})
+
+    @app.get("/get_world_size")
+    async def get_world_size(include_dp: bool = True):
+        return JSONResponse({"world_size": 1})
+
+    @app.get("/weight_info")
+    async def weight_info():
+        return JSONResponse({"weight_version": engine.weight_version})
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request):
+        data = await _json_body(request)
+        if not isinstance(data.get("new_version"), str):
+            return error("new_version: a string is required")
+        engine.weight_version = data["new_version"]
+        return JSONResponse({"success": True, "new_version": data["new_version"]})
+
+    # ---- generation --------------------------------------------------------------------
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = _parse(CompletionBody, await _json_body(request), "CompletionRequest")
+        params = _sampling(body)
+        request_id = body.request_id or f"{time.monotonic_ns():x}"
+        prompt = _Prompt(prompt=list(body.prompt), params=params, rid=f"cmpl-{request_id}-0",
+                         return_logprob=body.logprobs is not None)
+        out = (await run_requests(state, [prompt]))[0]
+        return JSONResponse(completion_response(
+            out, request_id=request_id, model=body.model or state.model_path,
+            stop_token_ids=list(body.stop_token_ids or []), eos=set(engine.eos_token_ids),
+            with_logprobs=body.logprobs is not None))
+
+    # ---- generation control ------------------------------------------------------------
+
+    @app.post("/pause")
+    async def pause(mode: Literal["abort", "wait", "keep"] = "abort", wait_for_inflight_requests: bool = False,
+                    clear_cache: bool = True):
+        if mode == "wait" or wait_for_inflight_requests:
+            while engine.counts() != (0, 0):  # let the requests in flight finish, then freeze the rest
+                await asyncio.sleep(0.05)
+        await state.in_control_thread(engine.pause, "abort" if mode == "abort" else "in_place")
+        return JSONResponse({"status": "paused"})
+
+    @app.post("/resume")
+    async def resume():
+        engine.resume()
+        return JSONResponse({"status": "resumed"})
+
+    @app.get("/is_paused")
+    async def is_paused():
+        return JSONResponse({"is_paused": engine.paused})
+
+    @app.post("/abort_requests")
+    async def abort_requests(request: Request):
+        ids = (await _json_body(request, optional=True)).get("request_ids")
+        if ids:
+            count = 0
+            for rid in ids:  # exact engine ids, as vLLM's (the engine matches a prefix; ids end in -0)
+                count += await state.in_control_thread(lambda r=str(rid): engine.abort(r, False))
+        else:
+            count = await state.in_control_thread(lambda: engine.abort("", True))
+        return JSONResponse({"status": "aborted", "aborted": count})
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        return Response(status_code=200)  # the engine keeps no cache across requests
+
+    # ---- weight transfer ---------------------------------------------------------------
+
+    @app.post("/init_weight_transfer_engine")
+    async def init_weight_transfer_engine(request: Request):
+        data = await _json_body(request)
+        if data.get("init_info") is None:
+            return error("Missing 'init_info' in request body")
+        info = _parse(InitInfo, data["init_info"], "init_info")
+        if info.packed:
+            return error("the stand-in receives one broadcast per tensor; packed transfer is not supported")
+
+        def join():
+            if GROUP_NAME in session.groups:  # vLLM replaces its transfer group on a new init
+                try:
+                    session.destroy_group(GROUP_NAME)
+                except SessionError:
+                    pass
+            session.init_group(name=GROUP_NAME, backend="gloo", host=info.master_address, port=info.master_port,
+                               world_size=info.world_size, rank=info.rank_offset)
+
+        await state.in_control_thread(join)
+        return JSONResponse({"message": "Weight transfer initialized"})
+
+    @app.post("/start_weight_update")
+    async def start_weight_update():
+        async def run():
+            session.begin("all")
+            return JSONResponse({"message": "Weight update started"})
+
+        return await with_write_lock(state, run)
+
+    @app.post("/start_draft_weight_update")
+    async def start_draft_weight_update():
+        async def run():
+            session.begin("draft")  # refused: no draft model
+            return JSONResponse({"message": "Draft weight update started"})
+
+        return await with_write_lock(state, run)
+
+    @app.post("/update_weights")
+    async def update_weights(request: Request):
+        data = await _json_body(request)
+        if data.get("update_info") is None:
+            return error("Missing 'update_info' in request body")
+        info = _parse(UpdateInfo, data["update_info"], "update_info")
+        call = session.start_update(names=info.names, dtypes=info.dtype_names, shapes=info.shapes,
+                                    group_name=GROUP_NAME, load_format=None)
+
+        async def run():
+            await state.in_control_thread(session.receive, call)
+            return JSONResponse({"message": "Weights updated"})
+
+        return await with_write_lock(state, run)
+
+    @app.post("/finish_weight_update")
+    async def finish_weight_update(request: Request):
+        version = (await _json_body(request, optional=True)).get("weight_version")
+
+        async def run():
+            session.end()
+            if version is not None:
+                engine.weight_version = str(version)
+                session.wrote = False  # one version again
+            return JSONResponse({"message": "Weight update finished"})
+
+        return await with_write_lock(state, run)
+
+    return app

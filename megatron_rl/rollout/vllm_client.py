@@ -1,0 +1,380 @@
+"""HTTP client for rollout servers that speak vLLM 0.33.x's API (vLLM itself, or the embedded server
+with ``--api-dialect vllm``): the `vllm` and `vllm-embedded` backends of `RolloutEngine`.
+
+The request and answer shapes are vLLM's own (docs/VLLM_API.md names the source files):
+
+- generation: ``POST /v1/completions`` with the prompt as token ids, ``logprobs: 0`` (the sampled
+  token's log-prob only), ``return_token_ids`` and ``return_tokens_as_token_ids`` (so every log-prob
+  names its token id and can be checked against ``token_ids``), ``seed`` per request and
+  ``request_id`` = the rollout's rid (vLLM's engine id is then ``cmpl-<rid>-0``);
+- control: ``POST /pause?mode=abort|wait|keep``, ``POST /resume``, ``POST /abort_requests``
+  (exact engine ids; this client keeps the ids in flight to abort by rid prefix as SGLang does),
+  ``POST /reset_prefix_cache``, ``GET /health``, ``GET /get_world_size``, ``GET /weight_info``,
+  ``GET /v1/models``;
+- weight transfer (``VLLM_SERVER_DEV_MODE=1`` and ``--weight-transfer-config '{"backend": "nccl"}'``):
+  ``/init_weight_transfer_engine`` {"init_info": {master_address, master_port, rank_offset,
+  world_size, packed}}, ``/start_weight_update``, ``/update_weights`` {"update_info": {names,
+  dtype_names, shapes}} while the trainer broadcasts one tensor after another from rank 0,
+  ``/finish_weight_update`` {"weight_version"}.
+
+What vLLM does not have, and what this client does instead: no named groups (one weight-transfer
+engine per server; ``group_name`` is kept here only to answer ``destroy_weights_update_group``), no
+endpoint to leave a group (a new ``/init_weight_transfer_engine`` replaces it), no
+``/get_weights_by_name`` (answers as an unverifiable tensor, HTTP 400), no weight version in a
+completion answer (``GenerateResult.weight_version`` is None), no dtype in any info answer (the
+sender then sends its tensors as they are and vLLM casts on load).
+
+An answer in another shape than 0.33.x's raises ``RolloutServerError`` naming the version.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
+
+from megatron_rl.errors import RolloutServerError
+from megatron_rl.rollout.client import GenerateResult, HTTPEngineClient, StopReason
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["VLLM_VERSION", "VLLMClient", "completion_body", "result_from_vllm"]
+
+VLLM_VERSION = "0.33.x"
+"""The vLLM release whose HTTP API this client speaks (docs/VLLM_API.md)."""
+
+#: SGLang ``sampling_params`` key -> vLLM ``CompletionRequest`` field (the rollout speaks SGLang's keys).
+_SAMPLING_KEYS: dict[str, str] = {
+    "max_new_tokens": "max_tokens",
+    "min_new_tokens": "min_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "stop": "stop",
+    "stop_token_ids": "stop_token_ids",
+    "ignore_eos": "ignore_eos",
+    "skip_special_tokens": "skip_special_tokens",
+    "spaces_between_special_tokens": "spaces_between_special_tokens",
+    "no_stop_trim": "include_stop_str_in_output",
+    "sampling_seed": "seed",
+    "logit_bias": "logit_bias",
+    "n": "n",
+}
+#: SGLang keys vLLM's completions have no field for: accepted only at their neutral value.
+_NEUTRAL_ONLY = {"stop_regex": (None, "", []), "json_schema": (None,), "regex": (None,), "ebnf": (None,),
+                 "structural_tag": (None,), "custom_params": (None,), "stream_interval": (None,),
+                 "beam_width": (None, 0, 1), "watermark": (None, False), "choice": (None,)}
+
+#: ``/pause`` modes for the SGLang-named modes of ``RolloutEngine.pause_generation``.
+_PAUSE_MODES = {"abort": "abort", "in_place": "keep", "retract": "keep"}
+
+
+def _shape_error(what: str, detail: str, body: Any) -> RolloutServerError:
+    return RolloutServerError(
+        f"{what}: the answer is not in vLLM {VLLM_VERSION}'s shape ({detail}); is the server another vLLM "
+        f"version? (docs/VLLM_API.md): {str(body)[:500]}", body=body)
+
+
+def completion_body(input_ids: list[int], sampling_params: Mapping[str, Any], rid: str,
+                    return_logprob: bool = True) -> dict[str, Any]:
+    """The ``POST /v1/completions`` body for one prompt of token ids and SGLang-keyed ``sampling_params``.
+
+    Raises:
+        ValueError: empty ``input_ids``, ``n`` > 1, an unknown key, or a key vLLM's completions
+            cannot take at a non-neutral value.
+    """
+    if not input_ids:
+        raise ValueError("input_ids must not be empty")
+    body: dict[str, Any] = {
+        "prompt": [int(t) for t in input_ids],
+        "request_id": rid,
+        "return_token_ids": True,
+        "return_tokens_as_token_ids": True,
+        "stream": False,
+    }
+    if return_logprob:
+        body["logprobs"] = 0
+    for key, value in sampling_params.items():
+        if key in _NEUTRAL_ONLY:
+            if value not in _NEUTRAL_ONLY[key]:
+                raise ValueError(f"sampling_params[{key!r}] = {value!r}: vLLM's /v1/completions has no such "
+                                 "parameter (only its neutral value is accepted)")
+            continue
+        if key not in _SAMPLING_KEYS:
+            raise ValueError(f"sampling_params: unknown key {key!r} (SGLang's keys are mapped onto vLLM's: "
+                             f"{', '.join(sorted(_SAMPLING_KEYS))})")
+        if value is None:
+            continue
+        if key == "top_k" and int(value) == -1:  # SGLang's "off" is vLLM's 0 (its default)
+            continue
+        body[_SAMPLING_KEYS[key]] = value
+    if int(body.get("n", 1)) != 1:
+        raise ValueError("generate() makes one response; send one request per response (own rid and seed)")
+    body.pop("n", None)
+    return body
+
+
+def _token_id(token: Any, what: str, body: Any) -> int:
+    """``"token_id:123"`` (``return_tokens_as_token_ids``) -> 123."""
+    if isinstance(token, str) and token.startswith("token_id:"):
+        try:
+            return int(token[len("token_id:"):])
+        except ValueError:
+            pass
+    raise _shape_error(what, f"logprobs.tokens entry {token!r} is not 'token_id:<id>'", body)
+
+
+def result_from_vllm(response: Mapping[str, Any], *, rid: str, stop_token_ids: Iterable[int] = (),
+                     eos_token_ids: Iterable[int] | None = None, return_logprob: bool = True) -> GenerateResult:
+    """Build a `GenerateResult` from one ``/v1/completions`` answer (one choice) and check it.
+
+    vLLM keeps the matched EOS / stop token id in ``token_ids``; ``stop_reason`` is that stop token
+    id (``stop_token_ids``) or stop string, and null for EOS. Checks as ``GenerateResult.from_sglang``:
+    ids, log-probs and ``usage.completion_tokens`` agree, and every log-prob names the id it follows.
+
+    Raises:
+        RolloutServerError: another shape than vLLM 0.33.x's, or an inconsistent answer.
+    """
+    what = f"/v1/completions answer for {rid!r}"
+    try:
+        choice = response["choices"][0]
+        output_ids = [int(t) for t in choice["token_ids"]]
+        finish = choice["finish_reason"]
+        matched = choice.get("stop_reason")
+        usage = response["usage"]
+        completion_tokens = int(usage["completion_tokens"])
+        prompt_tokens = int(usage["prompt_tokens"])
+    except (KeyError, IndexError, TypeError, ValueError) as e:
+        raise _shape_error(what, f"missing or bad {e!s}", response) from None
+    logprobs: list[float] | None = None
+    if return_logprob:
+        lp = choice.get("logprobs")
+        if not isinstance(lp, Mapping) or "token_logprobs" not in lp or "tokens" not in lp:
+            raise _shape_error(what, "no logprobs.token_logprobs / logprobs.tokens", response)
+        try:
+            logprobs = [float(v) for v in lp["token_logprobs"]]
+        except (TypeError, ValueError):
+            raise _shape_error(what, "logprobs.token_logprobs holds a non-number", response) from None
+        ids_of_logprobs = [_token_id(t, what, response) for t in lp["tokens"]]
+        if ids_of_logprobs != output_ids[: len(ids_of_logprobs)]:
+            raise RolloutServerError(f"{what}: logprobs.tokens {ids_of_logprobs[:8]}... do not follow token_ids "
+                                     f"{output_ids[:8]}...", body=response)
+    if len(output_ids) != completion_tokens or (logprobs is not None and len(logprobs) != len(output_ids)):
+        raise RolloutServerError(
+            f"{what} is inconsistent: {len(output_ids)} token_ids, {'n/a' if logprobs is None else len(logprobs)} "
+            f"logprobs, usage.completion_tokens={completion_tokens} (did a layer strip the stop token id?)",
+            body=response)
+    abort_message = None
+    if finish == "length":
+        reason: StopReason = "length"
+    elif finish == "abort":
+        reason, abort_message = "abort", "aborted by the server (/abort_requests or /pause?mode=abort)"
+    elif finish == "stop":
+        if isinstance(matched, bool):
+            raise _shape_error(what, f"stop_reason={matched!r}", response)
+        if isinstance(matched, int):
+            eos = set(eos_token_ids) if eos_token_ids is not None else set()
+            reason = "eos" if matched in eos or matched not in set(stop_token_ids) else "stop_token"
+            if not output_ids or output_ids[-1] != matched:
+                raise RolloutServerError(f"{what}: stop token {matched} is not the last token id {output_ids[-1:]} "
+                                         "(stripped?)", body=response)
+        elif matched is None:  # EOS: vLLM reports no stop_reason, the id is the last one
+            reason = "eos"
+            matched = output_ids[-1] if output_ids else None
+        else:
+            reason = "stop_string"
+    elif finish is None:
+        raise RolloutServerError(f"{what} has finish_reason null (unfinished)", body=response)
+    else:
+        raise _shape_error(what, f"unknown finish_reason {finish!r}", response)
+    return GenerateResult(rid=rid, output_ids=output_ids, output_logprobs=logprobs, finish_type=finish,
+                          matched_stop=matched, stop_reason=reason, prompt_tokens=prompt_tokens,
+                          completion_tokens=completion_tokens, weight_version=None, abort_message=abort_message)
+
+
+def engine_request_id(rid: str) -> str:
+    """vLLM's engine id of the completion request sent with ``request_id`` = ``rid`` (one prompt):
+    ``cmpl-<rid>-0`` (``OpenAIServingCompletion``), the id ``/abort_requests`` takes."""
+    return f"cmpl-{rid}-0"
+
+
+class VLLMClient(HTTPEngineClient):
+    """Client of one rollout server speaking vLLM 0.33.x's HTTP API (see the module docstring).
+
+    Arguments as ``HTTPEngineClient``; ``admin_api_key`` is not used (vLLM has one ``--api-key``,
+    sent with every call). Thread-safe like ``RolloutClient``.
+    """
+
+    def __init__(self, base_url: str, **kwargs) -> None:
+        super().__init__(base_url, **kwargs)
+        self._admin_api_key = None
+        self._inflight: set[str] = set()
+        self._inflight_lock = threading.Lock()
+        self._group: str | None = None
+
+    # ---- helpers -----------------------------------------------------------------------
+
+    def _json(self, method: str, path: str, *, json: Any = None, params: dict | None = None,
+              timeout_s: float | None = None) -> Any:
+        return self._check(self._request(method, path, json=json, params=params, timeout_s=timeout_s), path)
+
+    def _dict(self, method: str, path: str, keys: tuple[str, ...] = (), **kw) -> dict:
+        data = self._json(method, path, **kw)
+        if not isinstance(data, dict) or any(k not in data for k in keys):
+            raise _shape_error(f"{method} {path} at {self.base_url}", f"expected an object with {list(keys)}", data)
+        return data
+
+    # ---- health and identity -----------------------------------------------------------
+
+    def model_info(self) -> dict:
+        """``GET /v1/models`` and ``GET /weight_info``: ``model_path``, ``max_model_len``,
+        ``weight_version`` (no ``dtype``: vLLM reports none)."""
+        models = self._dict("GET", "/v1/models", ("data",))
+        try:
+            card = models["data"][0]
+            info = {"model_path": card.get("root") or card["id"], "max_model_len": card.get("max_model_len")}
+        except (IndexError, KeyError, TypeError, AttributeError):
+            raise _shape_error("GET /v1/models", "data[0] with id", models) from None
+        info["weight_version"] = self.weight_version()
+        return info
+
+    def weight_version(self) -> str:
+        """``GET /weight_info`` -> ``weight_version``."""
+        return str(self._dict("GET", "/weight_info", ("weight_version",))["weight_version"])
+
+    def tp_size(self) -> int:
+        """``GET /get_world_size``: the server's workers (TP x PP x DP), its ranks in the transfer group."""
+        try:
+            return int(self._dict("GET", "/get_world_size", ("world_size",))["world_size"])
+        except (TypeError, ValueError):
+            raise _shape_error("GET /get_world_size", "world_size is not an integer", None) from None
+
+    def is_paused(self) -> bool:
+        """``GET /is_paused``."""
+        return bool(self._dict("GET", "/is_paused", ("is_paused",))["is_paused"])
+
+    # ---- generation --------------------------------------------------------------------
+
+    def generate(self, input_ids: list[int], sampling_params: dict[str, Any], rid: str, return_logprob: bool = True,
+                 *, eos_token_ids: Iterable[int] | None = None, timeout_s: float | None = None) -> GenerateResult:
+        """``POST /v1/completions`` for one prompt of token ids (``sampling_params`` in SGLang's keys,
+        mapped by ``completion_body``). ``rid`` is the request id ``abort_request`` takes.
+
+        Raises:
+            RolloutServerError: HTTP error, timeout, or an answer in another shape or inconsistent.
+            ValueError: ``n`` > 1, empty ``input_ids``, or a parameter vLLM has no field for.
+        """
+        body = completion_body(input_ids, sampling_params, rid, return_logprob)
+        with self._inflight_lock:
+            self._inflight.add(rid)
+        try:
+            resp = self._request("POST", "/v1/completions", json=body, timeout_s=timeout_s or self.generate_timeout_s)
+        finally:
+            with self._inflight_lock:
+                self._inflight.discard(rid)
+        data = self._check(resp, "/v1/completions")
+        if not isinstance(data, dict):
+            raise _shape_error("/v1/completions", f"a {type(data).__name__}, not an object", data)
+        return result_from_vllm(data, rid=rid, stop_token_ids=sampling_params.get("stop_token_ids") or (),
+                                eos_token_ids=eos_token_ids, return_logprob=return_logprob)
+
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        """``POST /abort_requests``: the requests of this client whose rid starts with ``rid`` (their
+        engine ids), or every request of the server (``abort_all``: empty ``request_ids``). An empty
+        ``rid`` without ``abort_all`` does nothing (as SGLang)."""
+        if abort_all:
+            ids: list[str] = []
+        else:
+            if not rid:
+                return
+            with self._inflight_lock:
+                ids = sorted(engine_request_id(r) for r in self._inflight if r.startswith(rid))
+            if not ids:
+                return
+        self._dict("POST", "/abort_requests", ("status",), json={"request_ids": ids})
+
+    def pause_generation(self, mode: Literal["abort", "retract", "in_place"] = "abort") -> dict:
+        """``POST /pause?mode=...`` (``abort`` -> abort, ``in_place`` and ``retract`` -> keep)."""
+        if mode not in _PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {sorted(_PAUSE_MODES)}, got {mode!r}")
+        return self._dict("POST", "/pause", ("status",), params={"mode": _PAUSE_MODES[mode]})
+
+    def continue_generation(self) -> dict:
+        """``POST /resume``."""
+        return self._dict("POST", "/resume", ("status",))
+
+    def flush_cache(self, timeout_s: float = 0.0) -> str:
+        """``POST /reset_prefix_cache`` (vLLM answers 200 with no body; it does not report failure)."""
+        return str(self._json("POST", "/reset_prefix_cache", timeout_s=self.timeout_s + timeout_s))
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """vLLM has no such endpoint: raises ``RolloutServerError`` with status 400, which the checksum
+        check (``WeightSyncSender.check_checksums``) counts as an unverifiable tensor."""
+        raise RolloutServerError(f"{self.base_url}: vLLM {VLLM_VERSION} has no /get_weights_by_name ({name})",
+                                 url=self.base_url, status_code=400)
+
+    # ---- weight transfer ---------------------------------------------------------------
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group", backend: str = "nccl", *,
+                                  timeout_s: float | None = None) -> dict:
+        """``POST /init_weight_transfer_engine``; blocks until every rank joined (call it from a thread).
+
+        vLLM's transfer group is NCCL (its ``StatelessProcessGroup``); ``backend`` is not sent (the
+        `vllm-embedded` stand-in joins with gloo on CPU). ``group_name`` is remembered only here.
+        """
+        init_info = {"master_address": master_address, "master_port": int(master_port),
+                     "rank_offset": int(rank_offset), "world_size": int(world_size), "packed": False}
+        data = self._dict("POST", "/init_weight_transfer_engine", ("message",), json={"init_info": init_info},
+                          timeout_s=timeout_s)
+        self._group = group_name
+        return data
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
+        """vLLM has no endpoint to leave a group (the next ``/init_weight_transfer_engine`` replaces it):
+        forgets the group this client joined; raises ``RolloutServerError`` (400) when it joined none,
+        as SGLang answers for an unknown group."""
+        if self._group != group_name:
+            raise RolloutServerError(f"{self.base_url}: no weight-transfer group {group_name!r} joined by this client",
+                                     url=self.base_url, status_code=400)
+        self._group = None
+        return {"success": True, "message": "forgotten (vLLM replaces the group at the next init)"}
+
+    def begin_weight_update(self, selector: Literal["all", "target", "draft"] = "all", *,
+                            timeout_s: float | None = None) -> dict:
+        """``POST /start_weight_update`` (``/start_draft_weight_update`` for ``draft``)."""
+        path = "/start_draft_weight_update" if selector == "draft" else "/start_weight_update"
+        return self._dict("POST", path, ("message",), timeout_s=timeout_s)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]], *,
+                                        group_name: str = "weight_update_group", flush_cache: bool = False,
+                                        weight_version: str | None = None, load_format: str | None = None,
+                                        timeout_s: float | None = None) -> dict:
+        """``POST /update_weights`` {"update_info": {names, dtype_names, shapes}}: answers after the
+        server received (one broadcast per tensor, in list order, from rank 0) and loaded them, so
+        call it from a thread while broadcasting. ``weight_version`` is not sent here (vLLM takes it
+        at ``/finish_weight_update``: ``end_weight_update``); ``flush_cache`` is not sent either.
+
+        Raises:
+            ValueError: ``load_format`` is not None (vLLM has no flattened bucket).
+        """
+        if load_format is not None:
+            raise ValueError(f"load_format {load_format!r}: vLLM's /update_weights receives one broadcast per tensor "
+                             "(weight_sync.load_format must be null)")
+        update_info = {"names": list(names), "dtype_names": list(dtypes), "shapes": [list(s) for s in shapes]}
+        return self._dict("POST", "/update_weights", ("message",), json={"update_info": update_info},
+                          timeout_s=timeout_s)
+
+    def end_weight_update(self, *, weight_version: str | None = None, timeout_s: float | None = None) -> dict:
+        """``POST /finish_weight_update`` {"weight_version": ...} (the body left out when None)."""
+        body = {"weight_version": str(weight_version)} if weight_version is not None else None
+        return self._dict("POST", "/finish_weight_update", ("message",), json=body, timeout_s=timeout_s)
+
+    def update_weight_version(self, new_version: str) -> dict:
+        """``POST /update_weight_version`` {"new_version"}: relabel the weights only."""
+        return self._dict("POST", "/update_weight_version", ("new_version",), json={"new_version": new_version})
