@@ -47,7 +47,7 @@ def run_training(cfg: Config) -> dict:
     run_preflight(cfg)
     done = _finished_summary(cfg, run_dir)
     if done is not None:
-        logger.info("%s already finished (%d steps); nothing to do (summary: %s). Raise "
+        logger.info("%s already finished all %d steps; nothing to do (summary: %s). Raise "
                     "trainer.total_training_steps (or trainer.max_generated_tokens) to train further, or use "
                     "another run_dir", run_dir, done.get("steps"), run_dir / "summary.json")
         return done

@@ -94,5 +94,5 @@ def test_ci_recipe_token_budget(tmp_path):
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "already finished (1 steps)" in again.stderr + again.stdout
+    assert "already finished all 1 steps" in again.stderr + again.stdout
     assert json.loads((run_dir / "summary.json").read_text()) == summary
