@@ -74,12 +74,13 @@ def _train(argv: list[str]) -> int:
         import traceback
         from pathlib import Path
 
-        log = Path(cfg.run_dir) / "train.log"
+        rank = os.environ.get("RANK", "0")
+        log = Path(cfg.run_dir) / ("train.log" if rank == "0" else f"train_rank{rank}.log")
         if log.parent.is_dir():
             with open(log, "a") as fh:
                 fh.write(traceback.format_exc())
         print(f"megatron-rl train: error: {type(e).__name__}: {e}", file=sys.stderr)
-        print(f"(full traceback in {cfg.run_dir}/train.log)", file=sys.stderr)
+        print(f"(full traceback in {log})", file=sys.stderr)
         if os.environ.get("MEGATRON_RL_TRACEBACK"):
             raise
         return 1
@@ -140,7 +141,7 @@ def _launch_local_ranks(nproc: int, argv: list[str]) -> int:
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
-    codes = [p.returncode for p in procs]
+    codes = [128 - c if c < 0 else c for c in (p.returncode for p in procs)]  # killed by signal N: 128 + N
     bad = [c for c in codes if c not in (0, 75)]
     if codes[0] not in (0, 75) or not bad:
         return codes[0]

@@ -2,7 +2,8 @@
 
 Rank 0 (the controller) alone talks to the rollout engines and builds each step's batch; the
 other ranks wait on this channel for what to do next: a `TrainBatch` to train on, a weight-sync
-plan to take part in (`megatron_rl.weight_sync.publisher.SyncPlan`), or `ControllerFailed`, which
+plan to take part in (`megatron_rl.weight_sync.publisher.SyncPlan`), `PhaseDone` at the end of a
+phase only the controller works in (an evaluation), or `ControllerFailed`, which
 they raise so that no rank waits for a batch that will never come.
 """
 
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-__all__ = ["ControllerFailed", "broadcast_object", "send_to_ranks", "receive_from_controller"]
+__all__ = ["ControllerFailed", "PhaseDone", "broadcast_object", "send_to_ranks", "receive_from_controller"]
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,13 @@ class ControllerFailed:
     """The controller stopped with an error; every other rank raises `RuntimeError(text)`."""
 
     text: str
+
+
+@dataclass(frozen=True)
+class PhaseDone:
+    """The controller finished a phase the other ranks wait through (an evaluation, `name`)."""
+
+    name: str
 
 
 def broadcast_object(obj, *, src: int, world_size: int):

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from megatron_rl.config import Config
 from megatron_rl.errors import RolloutServerError, WeightSyncError
-from megatron_rl.parallel.control import ControllerFailed, broadcast_object, receive_from_controller, send_to_ranks
+from megatron_rl.parallel.control import (ControllerFailed, PhaseDone, broadcast_object, receive_from_controller,
+                                          send_to_ranks)
 from megatron_rl.trainer.signals import ExitSignal, TrainingInterrupted
 from megatron_rl.trainer.step_metrics import step_metrics, step_progress
 from megatron_rl.weight_sync.publisher import SyncPlan
@@ -99,9 +100,11 @@ def _train(run, stop: ExitSignal, stack: contextlib.ExitStack) -> dict:
         run.engines.fleet.set_resync(lambda clients: _resync(run))
     # 0. the engines sample only at the trainer's weight version.
     run.publisher.publish(run.weight_version)
-    if cfg.eval.before_train and run.val_rows and run.resumed_from is None:
-        run.summary["eval_before"] = _evaluate(run, "eval_before")
-        run.writer.write(0, eval_metric_row(run.summary["eval_before"]))
+    if cfg.eval.before_train and cfg.data.val_files and run.resumed_from is None:
+        ev = _evaluate(run, "eval_before")
+        if ev:
+            run.summary["eval_before"] = ev
+            run.writer.write(0, eval_metric_row(ev))
     progress = _progress_bar(run, stack)
     # resumed at its token budget (stopped there before summary.json was written): only finish
     end = run.start_step - 1 if 0 < t.max_generated_tokens <= run.total_tokens else t.total_training_steps
@@ -116,8 +119,11 @@ def _train(run, stop: ExitSignal, stack: contextlib.ExitStack) -> dict:
         times = _train_step(run, batch, produced, t_step)
         run.total_tokens += produced.generated_tokens if produced is not None else 0
         last = step == end or _budget_reached(run)
+        ev = {}  # a periodic evaluation, not at the last step (the final one follows)
+        if cfg.eval.interval and step % cfg.eval.interval == 0 and not last and cfg.data.val_files:
+            ev = _evaluate(run, f"eval_step{step}")
         if run.is_controller:
-            _record(run, step, produced, batch, times, progress, last)
+            _record(run, step, produced, batch, times, progress, ev)
         stopping = stop.requested() and not last
         if (t.save_interval and step % t.save_interval == 0) or (t.save_last and last) or stopping:
             _checkpoint(run, step)
@@ -181,15 +187,15 @@ def _train_step(run, batch, produced, t_step: float) -> dict:
             "weight_sync": t_end - t_sync, "step": t_end - t_step, "history": history, "sync": sync_metrics}
 
 
-def _record(run, step: int, produced, batch, times: dict, progress, last: bool) -> None:
-    """Step 8 on the controller: the metrics row, a periodic evaluation (not at the `last` step:
-    the final one follows), the progress line."""
+def _record(run, step: int, produced, batch, times: dict, progress, ev: dict) -> None:
+    """Step 8 on the controller: the metrics row (with the step's evaluation `ev`, if any), the
+    progress line."""
     from megatron_rl.eval.evaluate import eval_metric_row
 
     cfg = run.cfg
     m = step_metrics(produced, batch, times["history"], times, times["sync"], run.weight_version, run.total_tokens)
-    if cfg.eval.interval and step % cfg.eval.interval == 0 and not last and run.val_rows:
-        m.update(eval_metric_row(_evaluate(run, f"eval_step{step}")))
+    if ev:
+        m.update(eval_metric_row(ev))
     run.writer.write(step, m)
     if progress is not None:
         progress.update(1)
@@ -205,24 +211,38 @@ def _record(run, step: int, produced, batch, times: dict, progress, last: bool) 
 
 def _resync(run) -> None:
     """A restarted engine while no other was up (`ServerFleet`): the other ranks are waiting for
-    the step's batch; the publisher's plan reaches them instead and they take part."""
+    the step's batch or for the end of an evaluation; the publisher's plan reaches them instead and
+    they take part."""
     logger.warning("re-syncing the rollout servers to weight version %d", run.weight_version)
     m = run.publisher.publish(run.weight_version)
     logger.warning("re-sync to weight version %d done in %.2f s", run.weight_version, m.get("weight_sync/time_s", 0.0))
 
 
 def _evaluate(run, tag: str) -> dict:
-    """Held-out evaluation through the engines (controller; {} elsewhere)."""
+    """Held-out evaluation through the engines; every rank calls it at the same point. The
+    controller evaluates (an engine restarted meanwhile is re-synced with every rank taking part:
+    the others wait on the channel for the publisher's plans until `PhaseDone`); {} elsewhere and
+    when there are no held-out rows."""
     from megatron_rl.eval.evaluate import evaluate
 
     if not run.is_controller:
+        msg = receive_from_controller(run.pgs)
+        while isinstance(msg, SyncPlan):
+            run.publisher.follow(msg)
+            msg = receive_from_controller(run.pgs)
         return {}
-    cfg = run.cfg
-    logger.info("eval %s: %d problems x %d samples + greedy ...", tag, len(run.val_rows), cfg.eval.n)
-    res = evaluate(run.producer.manager, run.val_rows, n=cfg.eval.n, temperature=cfg.eval.temperature,
-                   top_p=cfg.eval.top_p, seed=cfg.eval.seed,
-                   max_new_tokens=cfg.eval.max_response_length or cfg.data.max_response_length, tag=tag)
-    logger.info("eval %s: %s", tag, {k: round(v, 4) for k, v in res.items() if isinstance(v, float)})
+    cfg, res = run.cfg, {}
+    try:
+        if run.val_rows:
+            logger.info("eval %s: %d problems x %d samples + greedy ...", tag, len(run.val_rows), cfg.eval.n)
+            res = evaluate(run.producer.manager, run.val_rows, n=cfg.eval.n, temperature=cfg.eval.temperature,
+                           top_p=cfg.eval.top_p, seed=cfg.eval.seed,
+                           max_new_tokens=cfg.eval.max_response_length or cfg.data.max_response_length, tag=tag)
+            logger.info("eval %s: %s", tag, {k: round(v, 4) for k, v in res.items() if isinstance(v, float)})
+    except Exception as e:
+        send_to_ranks(ControllerFailed(f"{type(e).__name__}: {e}"), run.pgs)
+        raise
+    send_to_ranks(PhaseDone(tag), run.pgs)
     return res
 
 
@@ -258,9 +278,11 @@ def _finish(run, step: int) -> dict:
     from megatron_rl.eval.evaluate import eval_metric_row
 
     cfg, summary = run.cfg, run.summary
-    if cfg.eval.after_train and run.val_rows and run.is_controller:
-        summary["eval_after"] = _evaluate(run, "eval_after")
-        run.writer.write(step, eval_metric_row(summary["eval_after"]))
+    if cfg.eval.after_train and cfg.data.val_files:
+        ev = _evaluate(run, "eval_after")
+        if ev:
+            summary["eval_after"] = ev
+            run.writer.write(step, eval_metric_row(ev))
     summary["steps"] = step
     summary["wall_s"] = run.wall_before + time.perf_counter() - run.t_start
     summary["total_generated_tokens"] = run.total_tokens

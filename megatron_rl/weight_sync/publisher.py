@@ -152,10 +152,16 @@ class WeightPublisher:
         return SyncPlan(version=version, urls=urls, reinit=changed or attempt == 2, attempt=attempt)
 
     def _failed_twice(self, version: int, error: str | None) -> WeightSyncError:
-        where = f" in {self.run_dir}/checkpoints" if self.run_dir is not None else ""
-        return WeightSyncError(
-            f"weight sync to version {version} failed twice, the run stops: {error}. The newest checkpoint"
-            f"{where} is intact; rerun the same command to resume from it")
+        """The error every rank raises; it names the checkpoint actually on disk."""
+        text = f"weight sync to version {version} failed twice, the run stops: {error}."
+        if self.run_dir is not None:
+            from megatron_rl.checkpoint.save import latest_checkpoint
+
+            latest = latest_checkpoint(self.run_dir)
+            text += (f" The newest checkpoint, step {latest} in {self.run_dir}/checkpoints, is intact; rerun the same "
+                     "command to resume from it" if latest is not None else
+                     f" No checkpoint was written in {self.run_dir}; rerun the same command to start again from step 0")
+        return WeightSyncError(text)
 
     # ------------------------------------------------------------------ every other rank
     def follow(self, plan) -> dict:
@@ -177,6 +183,7 @@ class WeightPublisher:
         """One attempt on every rank; returns (the controller's metrics, the error every rank saw)."""
         t0 = time.perf_counter()
         error = self._shared_error(self._ensure_group(plan) if self.is_source else None)
+        opened = error is None  # an open was attempted: a failure from here on closes what it opened
         if error is None:
             error = self._from(0, self._open_session() if self.is_controller else None)
         stats: list[dict] = []
@@ -191,8 +198,8 @@ class WeightPublisher:
             report = broadcast_object(report, src=src, world_size=self.pgs.world_size)
             error = report.error
             stats.append(report.stats or {})
-        if self.is_controller and error is not None and stats:
-            self._close_after_error()
+        if self.is_controller and error is not None and opened:
+            self._close_after_error()  # also after a partly failed open (else the retry is refused)
         if error is None:
             error = self._from(0, self._finish(plan.version) if self.is_controller else None)
         checked = {}

@@ -123,3 +123,41 @@ def test_server_killed_mid_rollout_is_restarted_and_every_rank_resyncs(clean_run
             assert got[step][key] == want[key], (step, key)
     assert got[STEPS]["rollout/server_restarts"] == 1
     assert _no_server_left(run_dir)
+
+
+def test_server_killed_during_an_evaluation_is_resynced_with_every_rank(tmp_path):
+    """The only server is killed while the step-0 evaluation runs (the controller alone works then):
+    it is restarted and re-synced with the other rank taking part (it waits on the controller's
+    channel through every evaluation), and the run completes (before: every rank hung in a collective
+    until the timeout)."""
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    env = dict(os.environ)
+    env.pop(FAULT_REFUSE_UPDATES_ENV, None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "megatron_rl.cli", "train", "--config", str(ROOT / "examples/tiny/ci.yaml"),
+         f"run_dir={run_dir}", "trainer.total_training_steps=1", "trainer.progress_bar=false", "eval.max_problems=8",
+         "eval.n=1", "eval.interval=0", "data.train_batch_size=4", "data.gen_batch_size=6", "rollout.n=4",
+         "actor.ppo_mini_batch_size=4", "trainer.nproc_per_node=2", "trainer.tensor_model_parallel_size=2",
+         "trainer.distributed_timeout_s=120", "rollout.max_server_restarts=1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    log = run_dir / "train.log"
+    try:
+        deadline = time.monotonic() + 600
+        while "eval eval_before" not in (log.read_text() if log.exists() else ""):
+            assert proc.poll() is None and time.monotonic() < deadline, "no step-0 evaluation"
+            time.sleep(0.05)
+        pid = subprocess.run(["pgrep", "-f", f"megatron_rl.engine.*--run-dir {run_dir}"], capture_output=True,
+                             text=True).stdout.split()
+        assert len(pid) == 1, pid
+        os.kill(int(pid[0]), signal.SIGKILL)
+        _, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-4000:]
+    text = log.read_text()
+    assert "re-sync to weight version 0 done" in text and "eval eval_after:" in text, text[-3000:]
+    assert _no_server_left(run_dir)

@@ -15,7 +15,7 @@ from megatron_rl.config import load_config
 from megatron_rl.trainer import loop
 from megatron_rl.trainer.signals import ExitSignal, TrainingInterrupted
 
-BASE = ["model.path=/models/x"]
+BASE = ["model.path=/models/x", "data.val_files=[/data/test.jsonl]"]  # held-out rows: the evaluations run
 TOKENS = [1000, 1500, 1200, 900, 1100, 1300]
 """Generated tokens of steps 1-6 (running totals 1000, 2500, 3700, 4600, 5700, 7000)."""
 
@@ -49,10 +49,8 @@ def stubbed(monkeypatch):
         calls["steps"].append(step)
         return SimpleNamespace(generated_tokens=TOKENS[step - 1]), None
 
-    def record(run, step, produced, batch, times, progress, last):
-        calls["records"].append((step, last))
-        if run.cfg.eval.interval and step % run.cfg.eval.interval == 0 and not last:
-            calls["evals"].append(f"eval_step{step}")
+    def record(run, step, produced, batch, times, progress, ev):
+        calls["records"].append((step, bool(ev)))  # ev: the step's periodic evaluation (none at the last step)
 
     def evaluate(run, tag):
         calls["evals"].append(tag)
@@ -77,7 +75,7 @@ def test_budget_stops_after_the_step_that_reaches_it(tmp_path, stubbed):
     run = _run(tmp_path, ["trainer.max_generated_tokens=3600"])
     summary = _train(run)
     assert stubbed["steps"] == [1, 2, 3]
-    assert stubbed["records"] == [(1, False), (2, False), (3, True)]
+    assert stubbed["records"] == [(1, False), (2, True), (3, False)]
     assert stubbed["checkpoints"] == [3]  # save_last
     assert stubbed["evals"] == ["eval_before", "eval_step2", "eval_after"]
     assert summary["steps"] == 3 and summary["total_generated_tokens"] == 3700
