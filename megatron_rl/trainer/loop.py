@@ -204,9 +204,9 @@ def _record(run, step: int, produced, batch, times: dict, progress, ev: dict) ->
     now = time.perf_counter()
     where = step_progress(step, cfg.trainer.total_training_steps, run.start_step, now - run.t_steps,
                           run.wall_before + now - run.t_start)
-    logger.info("%s: acc %.3f score %.3f kept %d gen_batches %d loss %.4f grad_norm %.3f (%.1fs)",
-                where, m["train/acc"], m["train/score"], m["train/kept_groups"], m["train/num_gen_batches"],
-                m["train/loss"], m["train/grad_norm"], m["timing/step_s"])
+    logger.info("step %d: acc %.3f score %.3f kept %d gen_batches %d loss %.4f grad_norm %.3f (%.1fs) [%s]",
+                step, m["train/acc"], m["train/score"], m["train/kept_groups"], m["train/num_gen_batches"],
+                m["train/loss"], m["train/grad_norm"], m["timing/step_s"], where)
 
 
 def _resync(run) -> None:
