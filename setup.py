@@ -12,9 +12,9 @@ setup(
     name="megatron-rl",
     version="0.1.0",
     description="RL post-training (GRPO, DAPO, DA3PO) on megatron-core with SGLang-API rollout servers",
-    packages=find_packages(include=["megatron_rl", "megatron_rl.*"]) + ["megatron_rl.eval.data"],  # data: no __init__
+    packages=find_packages(include=["megatron_rl", "megatron_rl.*"]),
     # the benchmark files `megatron-rl eval --data NAME` reads (sources and licences: PROVENANCE.md)
-    package_data={"megatron_rl.eval.data": ["*.jsonl", "PROVENANCE.md"]},
+    package_data={"megatron_rl.eval": ["data/*.jsonl", "data/PROVENANCE.md"]},
     include_package_data=True,
     python_requires=">=3.12",  # megatron-core 0.19 requires Python >= 3.12
     install_requires=[
