@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.errors import RolloutServerError, WeightSyncError
+from megatron_rl.weight_sync.sender import sync_metrics
 from megatron_rl.parallel.control import ControllerFailed, broadcast_object, receive_from_controller, send_to_ranks
 
 logger = logging.getLogger(__name__)
@@ -304,19 +305,7 @@ class WeightPublisher:
             return {}
         s = {k: float(sum(st.get(k, 0.0) for st in stats)) for k in _SUM_KEYS}
         send_s = s["broadcast_time_s"] + s["load_time_s"] + s["prepare_time_s"]
-        metrics = {
-            "weight_sync/time_s": elapsed,
-            "weight_sync/broadcast_time_s": s["broadcast_time_s"],
-            "weight_sync/bytes": s["bytes"],
-            "weight_sync/gbps": s["bytes"] * 8 / 1e9 / elapsed if elapsed > 0 else 0.0,
-            "weight_sync/gb_per_s": s["bytes"] / 1e9 / elapsed if elapsed > 0 else 0.0,
-            "weight_sync/bucket_prepare_time_s": s["prepare_time_s"],
-            "weight_sync/load_time_s": s["load_time_s"],
-            "weight_sync/control_time_s": max(elapsed - send_s, 0.0),
-            "weight_sync/num_buckets": s["num_buckets"],
-            "weight_sync/num_tensors": s["num_tensors"],
-            **checked,
-        }
+        metrics = {**sync_metrics(s, elapsed, control_s=max(elapsed - send_s, 0.0)), **checked}
         if self.fleet is not None:
             metrics["rollout/server_restarts"] = self.fleet.restarts
             metrics["rollout/servers_up"] = len(self.fleet.up_clients())

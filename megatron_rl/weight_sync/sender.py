@@ -38,7 +38,24 @@ if TYPE_CHECKING:  # the engines' client; weight_sync never imports rollout at r
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["WeightSyncSender"]
+__all__ = ["WeightSyncSender", "sync_metrics"]
+
+
+def sync_metrics(stats: dict, elapsed: float, *, control_s: float) -> dict[str, float]:
+    """The `weight_sync/*` metrics of one sync from `send`'s stats (summed over stages when several
+    ranks sent), the whole sync's wall seconds `elapsed` and the seconds of its HTTP control calls."""
+    return {
+        "weight_sync/time_s": elapsed,
+        "weight_sync/broadcast_time_s": stats["broadcast_time_s"],
+        "weight_sync/bytes": stats["bytes"],
+        "weight_sync/gbps": stats["bytes"] * 8 / 1e9 / elapsed if elapsed > 0 else 0.0,
+        "weight_sync/gb_per_s": stats["bytes"] / 1e9 / elapsed if elapsed > 0 else 0.0,
+        "weight_sync/bucket_prepare_time_s": stats["prepare_time_s"],
+        "weight_sync/load_time_s": stats["load_time_s"],
+        "weight_sync/control_time_s": control_s,
+        "weight_sync/num_buckets": stats["num_buckets"],
+        "weight_sync/num_tensors": stats["num_tensors"],
+    }
 
 
 def _digest(tensor: torch.Tensor) -> str:
@@ -262,18 +279,7 @@ class WeightSyncSender:
         t2 = time.perf_counter()
         self.finish_update(weight_version)
         elapsed = time.perf_counter() - t0
-        metrics = {
-            "weight_sync/time_s": elapsed,
-            "weight_sync/broadcast_time_s": stats["broadcast_time_s"],
-            "weight_sync/bytes": stats["bytes"],
-            "weight_sync/gbps": stats["bytes"] * 8 / 1e9 / elapsed if elapsed > 0 else 0.0,
-            "weight_sync/gb_per_s": stats["bytes"] / 1e9 / elapsed if elapsed > 0 else 0.0,
-            "weight_sync/bucket_prepare_time_s": stats["prepare_time_s"],
-            "weight_sync/load_time_s": stats["load_time_s"],
-            "weight_sync/control_time_s": elapsed - (t2 - t1),
-            "weight_sync/num_buckets": stats["num_buckets"],
-            "weight_sync/num_tensors": stats["num_tensors"],
-        }
+        metrics = sync_metrics(stats, elapsed, control_s=elapsed - (t2 - t1))
         logger.info(
             "weight sync to version %s: %d tensors, %.1f MiB in %d buckets, %.2f s",
             weight_version,
