@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 
 VERL_ALIASES: dict[str, str] = {
     "actor_rollout_ref.actor.": "actor.",
+    "trainer.max_head_offpolicyness": "trainer.max_staleness",  # AReaL's name
     "actor_rollout_ref.rollout.": "rollout.",
     "actor_rollout_ref.model.path": "model.path",
     "reward_model.overlong_buffer.": "reward.overlong_buffer.",

@@ -476,6 +476,11 @@ class TrainerConfig:
     included) reaches this many tokens, exactly as after the last step (checkpoint with save_last,
     final evaluation, summary.json with `steps` = that step). total_training_steps still bounds
     the run and sets the LR schedule. Tokens, >= 0. Default 0 = no token budget."""
+    max_staleness: int = 0
+    """eta of ALGORITHMS.md section 8: the rollout producer generates ahead while the trainer trains,
+    admitted so that no trained sample is more than eta weight versions old (step s's generation
+    starts once the published version is >= s - 1 - eta). 0 (default) = the synchronous step,
+    exactly. Versions, >= 0. AReaL: `max_head_offpolicyness`; verl's one-step off-policy is 1."""
     seed: int = 1234
     """Seed of the model init, the prompt order and the sampling seeds. Default 1234."""
     save_interval: int = 0
@@ -544,6 +549,7 @@ class TrainerConfig:
         _positive("trainer", "total_training_steps", self.total_training_steps)
         _positive("trainer", "max_generated_tokens", self.max_generated_tokens, allow_zero=True)
         _positive("trainer", "save_interval", self.save_interval, allow_zero=True)
+        _positive("trainer", "max_staleness", self.max_staleness, allow_zero=True)
         _positive("trainer", "keep_last_n_checkpoints", self.keep_last_n_checkpoints)
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size", "nproc_per_node"):
             _positive("trainer", name, getattr(self, name))

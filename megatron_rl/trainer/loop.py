@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from megatron_rl.config import Config
 from megatron_rl.errors import RolloutServerError, WeightSyncError
 from megatron_rl.parallel.control import (ControllerFailed, PhaseDone, broadcast_object, receive_from_controller,
                                           send_to_ranks)
+from megatron_rl.trainer.async_producer import start_async_producer
+from megatron_rl.trainer.run_io import progress_bar, save_run_checkpoint
 from megatron_rl.trainer.signals import ExitSignal, TrainingInterrupted
 from megatron_rl.trainer.step_metrics import step_metrics, step_progress
 from megatron_rl.weight_sync.publisher import SyncPlan
@@ -105,12 +108,13 @@ def _train(run, stop: ExitSignal, stack: contextlib.ExitStack) -> dict:
         if ev:
             run.summary["eval_before"] = ev
             run.writer.write(0, eval_metric_row(ev))
-    progress = _progress_bar(run, stack)
+    progress = progress_bar(run, stack)
     # resumed at its token budget (stopped there before summary.json was written): only finish
     end = run.start_step - 1 if 0 < t.max_generated_tokens <= run.total_tokens else t.total_training_steps
     if run.start_step <= end and stop.requested():  # a signal during start-up or step-0 eval
         logger.warning("%s received before step %d: exiting without training it", stop.signal_name, run.start_step)
         raise TrainingInterrupted(run.start_step - 1, run.run_dir, trained=False)
+    run.ahead = start_async_producer(run, end, stack)  # trainer.max_staleness > 0 only
     step = run.start_step - 1  # the last step run: none yet (the checkpoint resumed from)
     run.t_steps = time.perf_counter()
     for step in range(run.start_step, end + 1):
@@ -126,7 +130,7 @@ def _train(run, stop: ExitSignal, stack: contextlib.ExitStack) -> dict:
             _record(run, step, produced, batch, times, progress, ev)
         stopping = stop.requested() and not last
         if (t.save_interval and step % t.save_interval == 0) or (t.save_last and last) or stopping:
-            _checkpoint(run, step)
+            save_run_checkpoint(run, step)
         if stopping:
             logger.warning("%s received: stopped after step %d with a checkpoint; run the same command to resume",
                            stop.signal_name, step)
@@ -160,7 +164,12 @@ def _produce(run, step: int):
             msg = receive_from_controller(run.pgs)
         return None, msg
     try:
-        produced = run.producer.produce(step)
+        if run.ahead is not None:  # produced ahead on the producer's thread (trainer/async_producer.py)
+            produced, waited = run.ahead.take(step, resync=lambda: _resync(run))
+            produced.timings["timing/wait_rollout_s"] = waited
+            run.produced_state = produced.state
+        else:
+            produced = run.producer.produce(step)
     except Exception as e:
         send_to_ranks(ControllerFailed(f"{type(e).__name__}: {e}"), run.pgs)
         raise
@@ -181,6 +190,8 @@ def _train_step(run, batch, produced, t_step: float) -> dict:
     t_sync = time.perf_counter()
     run.weight_version += 1
     sync_metrics = run.publisher.publish(run.weight_version)
+    if run.ahead is not None:  # admits the next step's generation; frees a waiting re-sync
+        run.ahead.published(run.weight_version)
     t_end = time.perf_counter()
     t_adv = produced.advantage_started if produced is not None else t_step
     return {"advantage": t_lp - t_adv, "old_logprob": t_upd - t_lp, "update": t_sync - t_upd,
@@ -212,7 +223,11 @@ def _record(run, step: int, produced, batch, times: dict, progress, ev: dict) ->
 def _resync(run) -> None:
     """A restarted engine while no other was up (`ServerFleet`): the other ranks are waiting for
     the step's batch or for the end of an evaluation; the publisher's plan reaches them instead and
-    they take part."""
+    they take part. Asynchronous mode, off the main thread: handed to the main thread (the trainer
+    may be inside a collective), which re-syncs at its next publish."""
+    if run.ahead is not None and threading.current_thread() is not threading.main_thread():
+        run.ahead.request_resync()
+        return
     logger.warning("re-syncing the rollout servers to weight version %d", run.weight_version)
     m = run.publisher.publish(run.weight_version)
     logger.warning("re-sync to weight version %d done in %.2f s", run.weight_version, m.get("weight_sync/time_s", 0.0))
@@ -246,38 +261,13 @@ def _evaluate(run, tag: str) -> dict:
     return res
 
 
-def _progress_bar(run, stack: contextlib.ExitStack):
-    t = run.cfg.trainer
-    if not (t.progress_bar and run.is_controller):
-        return None
-    from tqdm import tqdm
-
-    # disable=None: no bar when stderr is not a terminal (logs then get one line a step instead)
-    progress = tqdm(total=t.total_training_steps, initial=run.start_step - 1, desc="RL steps", unit="step",
-                    dynamic_ncols=True, disable=None)
-    stack.callback(progress.close)
-    return progress
-
-
-def _checkpoint(run, step: int) -> None:
-    """Every rank: the distributed checkpoint of `step` with the run state."""
-    import yaml
-
-    from megatron_rl.checkpoint.save import save_checkpoint
-    from megatron_rl.config import config_to_dict
-
-    save_checkpoint(
-        run.run_dir, step, model=run.ddp_model, optimizer=run.optimizer, scheduler=run.scheduler,
-        run_state=run.state(), config_yaml=yaml.safe_dump(config_to_dict(run.cfg), sort_keys=False),
-        keep_last_n=run.cfg.trainer.keep_last_n_checkpoints, is_writer=run.is_controller,
-    )
-
-
 def _finish(run, step: int) -> dict:
     """The final evaluation and `summary.json` after `step`, the last step run."""
     from megatron_rl.eval.evaluate import eval_metric_row
 
     cfg, summary = run.cfg, run.summary
+    if run.ahead is not None:  # a token budget can end the run before the steps produced ahead
+        run.ahead.close()
     if cfg.eval.after_train and cfg.data.val_files:
         ev = _evaluate(run, "eval_after")
         if ev:

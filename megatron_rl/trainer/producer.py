@@ -45,6 +45,7 @@ class ProducedStep:
             with over-sampling), seconds / counts.
         generated_tokens / responses / checksum: over every sampled response, kept or not.
         advantage_started: `time.perf_counter()` when step 5 began.
+        start_version / state: asynchronous mode only (`trainer/async_producer.py`).
     """
 
     batch: object
@@ -57,6 +58,11 @@ class ProducedStep:
     responses: int
     checksum: int
     advantage_started: float
+    start_version: int | None = None
+    """Asynchronous mode: the weight version published when this step's generation started."""
+    state: dict | None = None
+    """Asynchronous mode: the run state (data cursor, difficulty history) right after this step was
+    produced, saved with a checkpoint of this step (the producer has moved on since)."""
 
 
 @dataclass

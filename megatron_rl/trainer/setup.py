@@ -108,6 +108,10 @@ class Run:
     """perf_counter() when this process began its first step (the ETA of the step lines)."""
     resumed_from: int | None = None
     summary: dict = field(default_factory=dict)
+    ahead: object = None
+    """The controller's `AsyncProducer` (`trainer.max_staleness` > 0), else None."""
+    produced_state: dict | None = None
+    """Asynchronous mode: data cursor + difficulty history as of the last trained step's production."""
 
     @property
     def is_controller(self) -> bool:
@@ -115,8 +119,10 @@ class Run:
 
     def state(self) -> dict:
         """The run state saved with each checkpoint (besides model, optimizer and scheduler)."""
-        return {"data": self.dataset.state_dict() if self.dataset is not None else {},
-                "difficulty": self.tracker.state_dict(), "weight_version": self.weight_version,
+        produced = self.produced_state or {}  # the producer may have moved on (asynchronous mode)
+        return {"data": produced.get("data") or (self.dataset.state_dict() if self.dataset is not None else {}),
+                "difficulty": produced.get("difficulty") or self.tracker.state_dict(),
+                "weight_version": self.weight_version,
                 "total_generated_tokens": self.total_tokens,
                 "wall_s": self.wall_before + time.perf_counter() - self.t_start,
                 **({"eval_before": self.summary["eval_before"]} if "eval_before" in self.summary else {})}

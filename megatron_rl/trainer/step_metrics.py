@@ -10,7 +10,7 @@ import torch
 if TYPE_CHECKING:
     from megatron_rl.trainer.producer import ProducedStep
 
-__all__ = ["CHECKSUM_PRIME", "token_checksum", "step_metrics"]
+__all__ = ["CHECKSUM_PRIME", "staleness_metrics", "token_checksum", "step_metrics"]
 
 CHECKSUM_PRIME = 2_147_483_647  # 2^31 - 1: sums stay exact in a float64 metric
 
@@ -61,6 +61,32 @@ def _update_metrics(history: list[dict]) -> dict:
     return m
 
 
+def _int_version(v):
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return None
+
+
+def staleness_metrics(produced: ProducedStep, trained_version: int) -> dict:
+    """`train/staleness_mean` / `train/staleness_max` (ALGORITHMS.md section 8), weight versions:
+    over the step's trained samples, `trained_version` (the weights the step trains, = step - 1)
+    minus the oldest version that produced any token of the sample - from the sample's
+    `weight_version_spans` [(version, first token index), ...] as the engine reported them, else
+    the version published when the step's generation started (`produced.start_version`; the
+    synchronous step: `trained_version`). `train/stale_discarded`: samples dropped for staleness,
+    0 by construction (admission control, not discard; case N03)."""
+    start = getattr(produced, "start_version", None)
+    fallback = trained_version if start is None else start
+    ages = []
+    for s in produced.samples:
+        versions = [_int_version(v) for v, _ in (getattr(s, "weight_version_spans", None) or [])]
+        versions = [v for v in versions if v is not None]
+        ages.append(trained_version - (min(versions) if versions else fallback))
+    return {"train/staleness_mean": sum(ages) / len(ages) if ages else 0.0,
+            "train/staleness_max": max(ages) if ages else 0, "train/stale_discarded": 0}
+
+
 def step_metrics(produced: ProducedStep, batch, history: list[dict], times: dict[str, float],
                  sync_metrics: dict, weight_version: int, total_tokens: int) -> dict:
     """The controller's metrics row of one step.
@@ -82,6 +108,7 @@ def step_metrics(produced: ProducedStep, batch, history: list[dict], times: dict
         diff = (batch.old_logprobs - batch.rollout_logprobs).abs()[batch.loss_mask]
     m["train/rollout_logprob_abs_diff"] = float(diff.mean()) if diff.numel() else 0.0
     m.update(produced.timings)
+    m.update(staleness_metrics(produced, weight_version - 1))
     m.update({
         "timing/advantage_s": times["advantage"], "timing/old_logprob_s": times["old_logprob"],
         "timing/update_s": times["update"], "timing/weight_sync_s": times["weight_sync"],

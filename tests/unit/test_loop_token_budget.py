@@ -34,7 +34,7 @@ def _run(tmp_path, overrides, *, start_step=1, total_tokens=0):
     return SimpleNamespace(
         cfg=cfg, is_controller=True, run_dir=tmp_path, pgs=SimpleNamespace(world_size=1), val_rows=[{"x": 1}],
         resumed_from=None if start_step == 1 else start_step - 1, start_step=start_step, total_tokens=total_tokens,
-        weight_version=0, wall_before=0.0, t_start=time.perf_counter(), summary={}, writer=_Writer(),
+        weight_version=0, wall_before=0.0, t_start=time.perf_counter(), summary={}, writer=_Writer(), ahead=None,
         engines=SimpleNamespace(fleet=SimpleNamespace(set_resync=lambda fn: None)),
         publisher=SimpleNamespace(publish=lambda version: {}),
     )
@@ -59,9 +59,9 @@ def stubbed(monkeypatch):
     monkeypatch.setattr(loop, "_produce", produce)
     monkeypatch.setattr(loop, "_train_step", lambda run, batch, produced, t: {})
     monkeypatch.setattr(loop, "_record", record)
-    monkeypatch.setattr(loop, "_checkpoint", lambda run, step: calls["checkpoints"].append(step))
+    monkeypatch.setattr(loop, "save_run_checkpoint", lambda run, step: calls["checkpoints"].append(step))
     monkeypatch.setattr(loop, "_evaluate", evaluate)
-    monkeypatch.setattr(loop, "_progress_bar", lambda run, stack: None)
+    monkeypatch.setattr(loop, "progress_bar", lambda run, stack: None)
     return calls
 
 
