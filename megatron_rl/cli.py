@@ -157,7 +157,7 @@ def _config_keys(argv: list[str]) -> int:
     parser.add_argument("prefix", nargs="?", default="", help="only keys starting with this, e.g. actor. or algorithm.daa")
     args = parser.parse_args(argv)
     from megatron_rl.config.keys import config_keys, format_keys
-    from megatron_rl.config.loader import VERL_ALIASES
+    from megatron_rl.config.loader import VERL_ALIASES, VERL_VALUE_ALIASES
 
     keys = [k for k in config_keys() if k.key.startswith(args.prefix)]
     if not keys:
@@ -168,6 +168,11 @@ def _config_keys(argv: list[str]) -> int:
         print("\nverl spellings (longest match wins; a trailing '.' maps a whole section):")
         for alias, target in VERL_ALIASES.items():
             print(f"  {alias} -> {target}")
+        for alias, table in VERL_VALUE_ALIASES.items():
+            for value, pairs in table.items():
+                sets = ", ".join(f"{k}={v}" for k, v in pairs) or "nothing"
+                shown = "null" if value is None else str(value).lower() if isinstance(value, bool) else value
+                print(f"  {alias}={shown} -> {sets}")
     return 0
 
 

@@ -1,4 +1,5 @@
-"""KL-to-reference estimators and truncated importance sampling (TIS) weights (ALGORITHMS 5).
+"""KL-to-reference estimators (ALGORITHMS 5); section 5's TIS weights are re-exported from
+`rollout_correction` (the `token_tis` mode, one code path with section 8).
 
 KL(pi || ref) from tokens sampled by pi (Schulman, "Approximating KL divergence", 2020), with
 `d = clamp(ref_logp - logp, -20, 20)`: `k1 = -d`, `k2 = d^2 / 2`,
@@ -7,7 +8,7 @@ KL(pi || ref) from tokens sampled by pi (Schulman, "Approximating KL divergence"
 TIS (Yao et al., "Your efficient RL framework secretly brings you off-policy RL training",
 2025; as in verl/slime): per-token weight `min(exp(old_logp - rollout_logp), clip)`, detached,
 built from the trainer's old log-probs and the rollout server's log-probs, never from the current
-log-probs (CASES B09). The raw (untruncated) mean ratio and the mean weight are both reported.
+log-probs (CASES B09): `rollout_correction.tis_weights`, i.e. `token_tis` at eta = 0.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ import logging
 import torch
 
 from megatron_rl.algorithms.options import KL_TYPE_NAMES
+from megatron_rl.algorithms.rollout_correction import tis_weights
+
+__all__ = ["KL_TYPES", "kl_penalty", "tis_weights"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,44 +69,3 @@ def kl_penalty(
     if loss_mask is not None:
         kl = torch.where(loss_mask.bool(), kl, torch.zeros_like(kl))
     return kl
-
-
-def tis_weights(
-    old_logprobs: torch.Tensor,
-    rollout_logprobs: torch.Tensor,
-    loss_mask: torch.Tensor,
-    *,
-    clip: float,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Truncated importance-sampling weights for the rollout/trainer mismatch.
-
-    Args:
-        old_logprobs: `[B, S] float`, trainer recompute before the update (NOT current logprobs).
-        rollout_logprobs: `[B, S] float`, log-probs returned by the rollout server.
-        loss_mask: `[B, S] bool`, True = trained token.
-        clip: cap C (`actor.tis.clip`, > 0).
-
-    Returns:
-        `(weights, stats)`: `weights [B, S] float32`, detached, `min(exp(clamp(old - rollout,
-        -20, 20)), C)` on valid tokens and 0 elsewhere; `stats` 0-d detached tensors
-        `tis/raw_ratio_mean` (mean of the untruncated ratio) and `tis/weight_mean` (mean of the
-        weights used), masked means (0 with no valid token).
-
-    Raises:
-        ValueError: `clip <= 0`, shape mismatch.
-    """
-    if not clip > 0:
-        raise ValueError(f"actor.tis.clip must be > 0, got {clip}")
-    if rollout_logprobs.shape != old_logprobs.shape or loss_mask.shape != old_logprobs.shape:
-        raise ValueError("old_logprobs, rollout_logprobs and loss_mask must have the same [B, S] shape")
-    mask = loss_mask.bool()
-    zero = torch.zeros((), dtype=torch.float32, device=old_logprobs.device)
-    log_ratio = torch.where(mask, old_logprobs.detach().float() - rollout_logprobs.detach().float(), zero)
-    raw = torch.exp(log_ratio.clamp(-_D_CLAMP, _D_CLAMP))
-    weights = torch.where(mask, raw.clamp(max=clip), zero)
-    n = mask.sum().clamp(min=1).float()
-    stats = {
-        "tis/raw_ratio_mean": torch.where(mask, raw, zero).sum() / n,
-        "tis/weight_mean": weights.sum() / n,
-    }
-    return weights.detach(), stats

@@ -293,3 +293,110 @@ CONDITIONAL_REMOVED = (
     "Beta(a0 + k, b0 + G - k)) or 'history' (ALGORITHMS.md section 4.3)"
 )
 """The error for `difficulty: conditional` (config load and `DifficultyTracker.estimate`)."""
+
+
+# ---- off-policy correction (implementations: rollout_correction.py) ----------------------------
+
+
+@dataclass(kw_only=True)
+class NoCorrectionOptions(Options):
+    """`mode: none`: no correction (ablations); no options."""
+
+
+@dataclass(kw_only=True)
+class TISCapOptions(Options):
+    """Options of the truncated importance-sampling modes (`token_tis`, `seq_tis`)."""
+
+    tis_cap: Optional[float] = None
+    """Cap C of the behaviour weight in `token_tis` (`min(w_t, C)`) and `seq_tis`
+    (`min(exp(sum_t log w_t), C)`); > 0. None (default) = `actor.tis.clip` (2.0 unless set), so
+    section 5's `actor.tis` and `token_tis` share one cap. verl: `algorithm.rollout_correction.rollout_is_threshold`."""
+
+    def _check(self) -> None:
+        check_positive("algorithm.rollout_correction.tis_cap", self.tis_cap)
+
+
+@dataclass(kw_only=True)
+class MaskOptions(Options):
+    """Options of `mode: mask` (rejection: verl's `rollout_rs`, icepop's idea)."""
+
+    mask_low: Optional[float] = None
+    """Lower bound of the kept band of the behaviour weight w_t: tokens (samples, with
+    `level: sequence`) with a w_t below it get loss mask 0; in [0, 1). None (default) =
+    1 / mask_high (verl's rule). verl: `algorithm.rollout_correction.rollout_rs_threshold_lower`."""
+    mask_high: float = 2.0
+    """Upper bound of the kept band of w_t: tokens (samples) with a w_t above it get loss mask 0;
+    > 1. Default 2.0. verl: `algorithm.rollout_correction.rollout_rs_threshold`."""
+    level: str = "token"
+    """token (default): each token whose w_t leaves [mask_low, mask_high] is masked | sequence: a
+    sample with any such token is masked whole. verl: `rollout_rs: token` (verl's `sequence` tests
+    the product of the weights instead and has no alias here)."""
+
+    def _check(self) -> None:
+        check_choice("algorithm.rollout_correction.level", self.level, ("token", "sequence"))
+        if not (isinstance(self.mask_high, (int, float)) and math.isfinite(self.mask_high) and self.mask_high > 1.0):
+            raise ConfigError(f"algorithm.rollout_correction.mask_high: {self.mask_high!r} must be a finite number > 1")
+        if self.mask_low is not None and not (isinstance(self.mask_low, (int, float)) and 0.0 <= self.mask_low < 1.0):
+            raise ConfigError(f"algorithm.rollout_correction.mask_low: {self.mask_low!r} must be in [0, 1) or null "
+                              "(null = 1 / mask_high)")
+
+
+ROLLOUT_CORRECTION_OPTIONS: Registry[type] = Registry("rollout correction")
+"""`algorithm.rollout_correction.mode` name -> options dataclass (keywords of the implementation in
+`rollout_correction.ROLLOUT_CORRECTIONS`); `auto` is resolved by `resolve_rollout_correction`."""
+ROLLOUT_CORRECTION_OPTIONS.register("none")(NoCorrectionOptions)
+ROLLOUT_CORRECTION_OPTIONS.register("token_tis")(TISCapOptions)
+ROLLOUT_CORRECTION_OPTIONS.register("seq_tis")(TISCapOptions)
+ROLLOUT_CORRECTION_OPTIONS.register("mask")(MaskOptions)
+
+OLD_LOGPROB_SOURCES = ("recompute", "rollout")
+"""`actor.old_logprob_source` names (`PolicyTrainer.old_logprobs`)."""
+
+
+@dataclass(frozen=True)
+class ResolvedCorrection:
+    """The correction a run applies: `mode` (never `auto`) and the keyword arguments of its
+    implementation (`rollout_correction.ROLLOUT_CORRECTIONS.get(mode)`), every value set."""
+
+    mode: str
+    options: dict
+
+
+def resolve_rollout_correction(section: Any, *, tis_enable: bool, tis_clip: float,
+                               max_staleness: int = 0) -> ResolvedCorrection:
+    """`algorithm.rollout_correction` with `mode: auto` and the unset options resolved (ALGORITHMS.md 8).
+
+    `auto` (the default) = `token_tis` with cap `actor.tis.clip` when `actor.tis.enable` (section 5's
+    TIS is the eta = 0 case of token_tis), else `token_tis` when eta = `trainer.max_staleness` > 0
+    (section 8's default), else `none`: with nothing set, today's behaviour exactly. `tis_cap` unset
+    = `actor.tis.clip`; `mask_low` unset = 1 / `mask_high`.
+
+    Args:
+        section: the `algorithm.rollout_correction` section (`mode` and the options' fields).
+        tis_enable, tis_clip: `actor.tis.enable`, `actor.tis.clip`.
+        max_staleness: eta (0 = synchronous).
+
+    Raises:
+        ConfigError: `actor.tis.enable` with a mode other than auto/token_tis, or with a `tis_cap`
+            that differs from `actor.tis.clip` (both keys named).
+    """
+    mode = section.mode
+    if tis_enable:
+        if mode not in ("auto", "token_tis"):
+            raise ConfigError(
+                f"actor.tis.enable=true is the eta = 0 case of algorithm.rollout_correction.mode=token_tis and "
+                f"conflicts with algorithm.rollout_correction.mode={mode!r}: drop actor.tis.enable or set the mode "
+                "to auto or token_tis")
+        if section.tis_cap is not None and section.tis_cap != tis_clip:
+            raise ConfigError(
+                f"algorithm.rollout_correction.tis_cap ({section.tis_cap}) and actor.tis.clip ({tis_clip}) are the "
+                "same cap with actor.tis.enable=true and disagree: set one (or drop actor.tis.enable and use "
+                "algorithm.rollout_correction.mode=token_tis)")
+        mode = "token_tis"
+    elif mode == "auto":
+        mode = "token_tis" if max_staleness > 0 else "none"
+    values = {"tis_cap": tis_clip if section.tis_cap is None else section.tis_cap, "mask_high": section.mask_high,
+              "mask_low": 1.0 / section.mask_high if section.mask_low is None else section.mask_low,
+              "level": section.level}
+    fields = [f.name for f in dataclasses.fields(ROLLOUT_CORRECTION_OPTIONS.get(mode))]
+    return ResolvedCorrection(mode=mode, options={name: values[name] for name in fields})

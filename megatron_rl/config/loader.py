@@ -44,8 +44,24 @@ VERL_ALIASES: dict[str, str] = {
     "actor.ppo_max_token_len_per_gpu": "actor.max_tokens_per_micro_batch",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "actor.ppo_micro_batch_size",
     "actor.ppo_micro_batch_size_per_gpu": "actor.ppo_micro_batch_size",
+    "algorithm.rollout_correction.rollout_is_threshold": "algorithm.rollout_correction.tis_cap",
+    "algorithm.rollout_correction.rollout_rs_threshold": "algorithm.rollout_correction.mask_high",
+    "algorithm.rollout_correction.rollout_rs_threshold_lower": "algorithm.rollout_correction.mask_low",
 }
 """verl's full dotted paths (longest match wins) -> this project's keys (ALGORITHMS.md preamble)."""
+
+_RC = "algorithm.rollout_correction."
+VERL_VALUE_ALIASES: dict[str, dict[Any, list[tuple[str, Any]]]] = {
+    _RC + "rollout_is": {"token": [(_RC + "mode", "token_tis")], "sequence": [(_RC + "mode", "seq_tis")], None: []},
+    _RC + "rollout_rs": {"token": [(_RC + "mode", "mask"), (_RC + "level", "token")], None: []},
+    _RC + "bypass_mode": {True: [("actor.old_logprob_source", "rollout")],
+                          False: [("actor.old_logprob_source", "recompute")]},
+}
+"""verl keys whose values are spelt differently here: verl value -> this project's (key, value) pairs.
+`null` sets nothing (the mode stays `auto` unless the other key sets it). verl's `rollout_is` plus
+`rollout_rs` together (weights and rejection) is not one mode here: they set `mode` twice, an error.
+verl's `rollout_rs: sequence|geometric` test the product / geometric mean of the weights, not each
+token as `level: sequence` does (ALGORITHMS.md 8), so they have no alias."""
 
 
 def resolve_alias(key: str) -> str:
@@ -73,19 +89,37 @@ def _set_dotted(tree: dict, key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def _set_aliased(tree: dict, seen: dict[str, tuple[str, Any]], key: str, value: Any, where: str) -> None:
-    """Set `key` (resolved through VERL_ALIASES) in `tree`; two different spellings of one key with
-    different values in the same place (the recipe, or the overrides) are an error, not a silent
-    last-wins. A later override of the same spelling is fine (the command line overrides)."""
-    target = resolve_alias(key)
-    if target in seen and seen[target][0] != key and seen[target][1] != value:
-        first, before = seen[target]
-        raise ConfigError(
-            f"{where}: {first}={before!r} and {key}={value!r} set the same key {target} (verl's name and this "
-            f"project's); keep one"
-        )
-    seen[target] = (key, value)
-    _set_dotted(tree, target, value)
+def resolve_value_alias(key: str, value: Any) -> list[tuple[str, Any]]:
+    """`(key, value)` as this schema's `(key, value)` pairs: VERL_VALUE_ALIASES, then VERL_ALIASES.
+
+    Raises:
+        ConfigError: a value of a verl key in VERL_VALUE_ALIASES that has no counterpart here.
+    """
+    table = VERL_VALUE_ALIASES.get(key)
+    if table is None:
+        return [(resolve_alias(key), value)]
+    hashable = value is None or isinstance(value, (str, bool, int, float))
+    if not hashable or value not in table or isinstance(value, bool) != any(isinstance(v, bool) for v in table):
+        allowed = ", ".join("null" if v is None else repr(v) for v in table)
+        raise ConfigError(f"{key}: {value!r} (verl's name) has no counterpart here; allowed: {allowed}. See "
+                          "algorithm.rollout_correction.mode / level / actor.old_logprob_source (ALGORITHMS.md 8)")
+    return table[value]
+
+
+def _set_aliased(tree: dict, seen: dict[str, tuple[str, Any, Any]], key: str, value: Any, where: str) -> None:
+    """Set `key` (resolved through VERL_VALUE_ALIASES and VERL_ALIASES) in `tree`; two different
+    spellings of one key with different values in the same place (the recipe, or the overrides) are
+    an error, not a silent last-wins. A later override of the same spelling is fine (the command
+    line overrides)."""
+    for target, val in resolve_value_alias(key, value):
+        if target in seen and seen[target][0] != key and seen[target][1] != val:
+            first, _, before = seen[target]
+            raise ConfigError(
+                f"{where}: {first}={before!r} and {key}={value!r} set the same key {target} (verl's name and this "
+                f"project's); keep one"
+            )
+        seen[target] = (key, val, value)
+        _set_dotted(tree, target, val)
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
@@ -214,7 +248,7 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
         if not isinstance(loaded, dict):
             raise ConfigError(f"{p}: expected a mapping at the top level, got {type(loaded).__name__}")
         base = p.resolve().parent
-        seen: dict[str, tuple[str, Any]] = {}
+        seen: dict[str, tuple[str, Any, Any]] = {}
         for key, value in _flatten(loaded).items():
             _set_aliased(tree, seen, key, value, str(p))
         _resolve_paths(tree, base)

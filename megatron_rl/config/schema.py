@@ -22,7 +22,9 @@ from megatron_rl.algorithms.options import (
     DAA_FACTOR_OPTIONS,
     KL_TYPE_NAMES,
     LOSS_AGG_MODE_NAMES,
+    OLD_LOGPROB_SOURCES,
     POLICY_LOSS_OPTIONS,
+    ROLLOUT_CORRECTION_OPTIONS,
     check_choice,
     check_positive,
     option_bases,
@@ -219,9 +221,12 @@ class OptimConfig:
 @dataclass(kw_only=True)
 class TISConfig:
     enable: bool = False
-    """Truncated importance sampling: weight min(exp(old_logprobs - rollout_logprobs), clip)."""
+    """Truncated importance sampling: weight min(exp(old_logprobs - rollout_logprobs), clip) on each
+    token's policy loss (ALGORITHMS.md 5). The eta = 0 case of `algorithm.rollout_correction.mode:
+    token_tis`, run by the same code: true resolves the mode `auto` to token_tis with this cap."""
     clip: float = 2.0
-    """Cap of the truncated importance weight; > 0. Default 2.0. verl: `actor.tis_imp_ratio_cap`."""
+    """Cap of the truncated importance weight; > 0. Default 2.0. Also the cap of
+    `algorithm.rollout_correction` when its `tis_cap` is unset. verl: `actor.tis_imp_ratio_cap`."""
 
     def __post_init__(self) -> None:
         _positive("actor.tis", "clip", self.clip)
@@ -271,6 +276,11 @@ class ActorConfig(*option_bases(*(POLICY_LOSS_OPTIONS.get(n) for n in POLICY_LOS
     """Weight of the entropy bonus subtracted from the loss; 0 (default) = off. verl: `actor.entropy_coeff`."""
     tis: TISConfig = field(default_factory=TISConfig)
     """Truncated importance sampling against the rollout's log-probs."""
+    old_logprob_source: str = "recompute"
+    """Where the proximal log-probs `old_logprobs` (prox_logp, the anchor of the clip) come from:
+    recompute (default: the trainer's forward pass before the first update, ALGORITHMS.md 5) |
+    rollout (the rollout engine's log-probs, no recompute; only valid with trainer.max_staleness 0
+    and an engine whose numerics match the trainer's). verl: `algorithm.rollout_correction.bypass_mode`."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer and learning-rate schedule."""
 
@@ -286,6 +296,7 @@ class ActorConfig(*option_bases(*(POLICY_LOSS_OPTIONS.get(n) for n in POLICY_LOS
         _choice("actor", "policy_loss", self.policy_loss, POLICY_LOSS_OPTIONS.names())
         _choice("actor", "loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODE_NAMES)
         _choice("actor", "kl_loss_type", self.kl_loss_type, KL_TYPE_NAMES)
+        _choice("actor", "old_logprob_source", self.old_logprob_source, OLD_LOGPROB_SOURCES)
         _positive("actor", "loss_scale_factor", self.loss_scale_factor)
         _positive("actor", "kl_loss_coef", self.kl_loss_coef, allow_zero=True)
 
@@ -350,6 +361,25 @@ class DAAConfig(*option_bases(*(DAA_FACTOR_OPTIONS.get(n) for n in DAA_FACTOR_OP
 
 
 @dataclass(kw_only=True)
+class RolloutCorrectionConfig(*option_bases(*(ROLLOUT_CORRECTION_OPTIONS.get(n)
+                                              for n in ROLLOUT_CORRECTION_OPTIONS.names()))):
+    """Off-policy correction with the behaviour weight w_t = exp(prox_logp - behav_logp)
+    (ALGORITHMS.md section 8). Carries the options of every registered mode (`tis_cap`, `mask_low`,
+    `mask_high`, `level`; see `megatron_rl.algorithms.options`); only those of the mode are used."""
+
+    mode: str = "auto"
+    """auto (default) | token_tis (min(w_t, tis_cap) multiplies each token's policy loss) | seq_tis
+    (min(exp(sum_t log w_t), tis_cap) for every token of a sample) | mask (tokens or samples whose
+    w_t leaves [mask_low, mask_high] get loss mask 0) | none. auto = token_tis when actor.tis.enable
+    (cap actor.tis.clip) or trainer.max_staleness > 0, none otherwise (today's behaviour). verl:
+    `rollout_is: token|sequence` = token_tis|seq_tis, `rollout_rs: token` = mask."""
+
+    def __post_init__(self) -> None:
+        _choice("algorithm.rollout_correction", "mode", self.mode, ("auto", *ROLLOUT_CORRECTION_OPTIONS.names()))
+        super().__post_init__()  # the registered modes' option checks
+
+
+@dataclass(kw_only=True)
 class AlgorithmConfig(*option_bases(*(ADV_ESTIMATOR_SPECS.get(n).options for n in ADV_ESTIMATOR_SPECS.names()))):
     """Advantages, dynamic sampling and DAA. Carries the options of every registered advantage
     estimator (`grpo_std`, `norm_adv_by_std_in_grpo`; see `megatron_rl.algorithms.options`)."""
@@ -361,6 +391,8 @@ class AlgorithmConfig(*option_bases(*(ADV_ESTIMATOR_SPECS.get(n).options for n i
     """DAPO dynamic sampling."""
     daa: DAAConfig = field(default_factory=DAAConfig)
     """DA3PO's advantage amplification."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Off-policy correction against the rollout engine's log-probs (ALGORITHMS.md section 8)."""
 
     def __post_init__(self) -> None:
         _choice("algorithm", "adv_estimator", self.adv_estimator, ADV_ESTIMATOR_SPECS.names())

@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 from pathlib import Path
 from typing import Any
 
-from megatron_rl.algorithms.options import ADV_ESTIMATOR_SPECS, check_group_size
+from megatron_rl.algorithms.options import (ADV_ESTIMATOR_SPECS, ResolvedCorrection, check_group_size,
+                                            resolve_rollout_correction)
 from megatron_rl.config.hub_ids import cached_file
 from megatron_rl.config.schema import Config
 from megatron_rl.errors import ConfigError
 
+logger = logging.getLogger(__name__)
 
 
 def _check_finite(obj: Any, prefix: str = "") -> None:
@@ -49,6 +52,32 @@ def _check_vllm(cfg: Config) -> None:
     if r.admin_api_key:
         raise ConfigError(f"rollout.admin_api_key: vLLM has no admin key (its --api-key guards /v1 only); "
                           f"unset it with rollout.backend={r.backend}")
+
+
+def rollout_correction_of(cfg: Config) -> ResolvedCorrection:
+    """The off-policy correction `cfg` trains with (`algorithm.rollout_correction` with `mode: auto`
+    and unset options resolved against `actor.tis` and `trainer.max_staleness`, ALGORITHMS.md 8).
+    Raises `ConfigError` naming the keys that conflict (`options.resolve_rollout_correction`)."""
+    return resolve_rollout_correction(cfg.algorithm.rollout_correction, tis_enable=cfg.actor.tis.enable,
+                                      tis_clip=cfg.actor.tis.clip,
+                                      max_staleness=getattr(cfg.trainer, "max_staleness", 0))
+
+
+def _check_off_policy(cfg: Config) -> None:
+    """`actor.old_logprob_source` against eta, and the correction's mode (ALGORITHMS.md 8)."""
+    correction = rollout_correction_of(cfg)
+    if cfg.actor.old_logprob_source != "rollout":
+        return
+    eta = getattr(cfg.trainer, "max_staleness", 0)
+    if eta > 0:
+        raise ConfigError(
+            f"actor.old_logprob_source: 'rollout' is only valid with trainer.max_staleness = 0 (got {eta}): stale "
+            "samples need the trainer's recompute as the anchor of the clip and the behaviour weights against it; "
+            "set actor.old_logprob_source=recompute or trainer.max_staleness=0")
+    if correction.mode != "none":
+        logger.warning("actor.old_logprob_source=rollout makes prox_logp = behav_logp, so every behaviour weight is 1 "
+                       "and the correction %s (algorithm.rollout_correction / actor.tis) changes nothing",
+                       correction.mode)
 
 
 def validate_config(cfg: Config) -> None:
@@ -103,6 +132,7 @@ def validate_config(cfg: Config) -> None:
         )
     if a.use_kl_loss and a.kl_loss_coef <= 0:
         raise ConfigError("actor.use_kl_loss: true needs actor.kl_loss_coef > 0")
+    _check_off_policy(cfg)
     if cfg.eval.n < 1:
         raise ConfigError("eval.n must be >= 1")
     longest = d.max_prompt_length + d.max_response_length

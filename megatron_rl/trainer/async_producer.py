@@ -10,6 +10,12 @@ thrown away for staleness (`train/stale_discarded` reads 0 by construction). eta
 only after step s-1's weights are published: no generation on W0 while W0's batch trains (case
 N01), the synchronous step exactly - the loop then does not use this thread at all.
 
+This is AReaL's admission rule (arXiv 2505.24298; DESIGN.md "Stages and engines": capacity at
+version v = (eta + v + 1) x batch) counted in whole steps: at version v the steps admitted so far
+are at most v + eta + 1. Deliberate deviation: the steps are produced one after another, so step
+s+1 starts once step s's generation is done even where the gate would admit it earlier (eta >= 2);
+dynamic sampling's extra generation batches belong to the step that needs them.
+
 The queue holds at most eta + 1 produced steps (backpressure: the producer waits at the gate, the
 engines' callbacks never block). The trainer takes steps in order; its wait is logged
 (`timing/wait_rollout_s`).

@@ -182,7 +182,7 @@ def _train_step(run, batch, produced, t_step: float) -> dict:
     a = run.cfg.actor
     t_lp = time.perf_counter()
     mini_seqs = a.ppo_mini_batch_size * run.cfg.rollout.n
-    batch.old_logprobs = run.policy.compute_logprobs(batch, mini_batch_sequences=mini_seqs)
+    batch.old_logprobs = run.policy.old_logprobs(batch, mini_batch_sequences=mini_seqs)  # actor.old_logprob_source
     if run.ref_model is not None:
         batch.ref_logprobs = run.policy.compute_logprobs(batch, model=run.ref_model, mini_batch_sequences=mini_seqs)
     t_upd = time.perf_counter()

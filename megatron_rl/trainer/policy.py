@@ -15,18 +15,29 @@ from functools import partial
 import torch
 
 from megatron_rl.algorithms.aggregation import aggregate_loss
-from megatron_rl.algorithms.kl import kl_penalty, tis_weights
+from megatron_rl.algorithms.kl import kl_penalty
 from megatron_rl.algorithms.losses import POLICY_LOSSES
-from megatron_rl.algorithms.options import POLICY_LOSS_OPTIONS, options_of
-from megatron_rl.config.schema import ActorConfig
+from megatron_rl.algorithms.options import (POLICY_LOSS_OPTIONS, ResolvedCorrection, options_of,
+                                            resolve_rollout_correction)
+from megatron_rl.algorithms.rollout_correction import rollout_correction
+from megatron_rl.config.schema import ActorConfig, RolloutCorrectionConfig
 from megatron_rl.trainer.batch import TrainBatch
 from megatron_rl.trainer.logprobs import forward_logits, token_logprobs_and_entropy
 
 logger = logging.getLogger(__name__)
 
 
-_SUM_KEYS = ("tokens", "clipped", "dual_clipped", "approx_kl", "entropy", "tis_raw", "tis_used", "kl",
-             "loss_num", "loss_count")
+# every rank all-reduces the same keys (stages without the loss have none of their own)
+_SUM_KEYS = ("tokens", "clipped", "dual_clipped", "approx_kl", "entropy", "kl", "loss_num", "loss_count",
+             "rc_valid", "rc_behav_weight", "rc_is_weight", "rc_truncated", "rc_masked")
+_RC_METRICS = {  # metric -> (sum of rollout_correction's `sums`, modes it is logged for)
+    "train/rollout_corr/behav_weight_mean": ("behav_weight", ("token_tis", "seq_tis", "mask")),
+    "train/rollout_corr/rollout_is_mean": ("is_weight", ("token_tis", "seq_tis")),
+    "train/rollout_corr/rollout_is_ratio_fraction_high": ("truncated", ("token_tis", "seq_tis")),
+    "train/rollout_corr/rollout_is_masked_fraction": ("masked", ("mask",)),
+    "train/tis_raw_ratio_mean": ("behav_weight", ()),  # section 5's names, with actor.tis.enable
+    "train/tis_weight_mean": ("is_weight", ()),
+}
 
 
 class PolicyTrainer:
@@ -42,8 +53,11 @@ class PolicyTrainer:
             `trainer.batch.split_by_token_budget`); None = fixed `micro_batch_size` micro-batches.
         actor: the `actor` config section: `policy_loss` and its registered options (passed to the
             loss function as `options_of(POLICY_LOSS_OPTIONS.get(policy_loss), actor)`),
-            `loss_agg_mode`, `loss_scale_factor`, `tis`, `use_kl_loss`/`kl_loss_coef`/`kl_loss_type`,
-            `entropy_coeff`. Its batch sizes are not read here (see `micro_batch_size`).
+            `loss_agg_mode`, `loss_scale_factor`, `tis`, `old_logprob_source`,
+            `use_kl_loss`/`kl_loss_coef`/`kl_loss_type`, `entropy_coeff`. Its batch sizes are not
+            read here (see `micro_batch_size`).
+        rollout_correction: the off-policy correction (`config.validate.rollout_correction_of(cfg)`);
+            None = the one `actor.tis` alone resolves to (token_tis with `actor.tis.clip`, or none).
         max_response_length: `data.max_response_length`, the default `loss_scale_factor` of
             seq-mean-token-sum-norm.
         tp_group: tensor-parallel group for the vocab-parallel log-probs (None at TP=1).
@@ -67,7 +81,8 @@ class PolicyTrainer:
 
     def __init__(self, model, optimizer, scheduler, *, vocab_size: int, micro_batch_size: int,
                  actor: ActorConfig, max_response_length: int | None = None, tp_group=None, ref_model=None,
-                 dp_group=None, pp_group=None, max_tokens_per_micro_batch: int | None = None) -> None:
+                 dp_group=None, pp_group=None, max_tokens_per_micro_batch: int | None = None,
+                 rollout_correction: ResolvedCorrection | None = None) -> None:
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -88,6 +103,10 @@ class PolicyTrainer:
                                  "max_response_length (data.max_response_length)")
             self._loss_scale_factor = float(max_response_length)
         self._kl_coef = actor.kl_loss_coef if actor.use_kl_loss else 0.0
+        self.correction = rollout_correction or resolve_rollout_correction(
+            RolloutCorrectionConfig(), tis_enable=actor.tis.enable, tis_clip=actor.tis.clip)
+        logger.info("off-policy correction: %s %s; old log-probs: %s", self.correction.mode, self.correction.options,
+                    actor.old_logprob_source)
 
     # ---- layout helpers ------------------------------------------------------------------------
     @staticmethod
@@ -221,22 +240,32 @@ class PolicyTrainer:
             offset += len(share)
         return torch.cat(pieces, dim=0)
 
+    def old_logprobs(self, batch: TrainBatch, *, mini_batch_sequences: int | None = None) -> torch.Tensor:
+        """The proximal log-probs `prox_logp` of `batch` ([N, S] float32, nats), per
+        `actor.old_logprob_source` (ALGORITHMS.md 5 and 8).
+
+        `recompute`: `compute_logprobs` with the coming update's layout (first mini-batch ratio
+        exactly 1). `rollout`: `batch.rollout_logprobs` itself, the same tensor (no forward pass), so
+        the first mini-batch ratio is `exp(logp - behav_logp)` and every behaviour weight is 1
+        (decoupled PPO's proximal policy = the behaviour policy; verl's `bypass_mode`).
+        """
+        if self.actor.old_logprob_source == "rollout":
+            return batch.rollout_logprobs
+        return self.compute_logprobs(batch, mini_batch_sequences=mini_batch_sequences)
+
     # ---- the update --------------------------------------------------------------------------
     def _loss_func(self, mb: TrainBatch, output: torch.Tensor):
         logprobs, entropy = token_logprobs_and_entropy(output, mb.labels, vocab_size=self.vocab_size,
                                                        tp_group=self.tp_group)
-        mask = mb.loss_mask
+        mask, weights, sums = mb.loss_mask, None, {}
+        if self.correction.mode != "none":  # section 8: weights and rejection from prox vs behav log-probs
+            corr = rollout_correction(mb.old_logprobs, mb.rollout_logprobs, mask, self.correction.mode,
+                                      **self.correction.options)
+            mask, weights = corr.loss_mask, corr.weights  # rejected tokens leave the loss and its normaliser
+            sums.update({f"rc_{k}": v for k, v in corr.sums.items()})
         adv = mb.advantages.unsqueeze(1).expand_as(logprobs)  # (B, S)
         out = self._loss_fn(logprobs, mb.old_logprobs, adv, mask, **self._loss_kwargs)
-        token_loss = out.token_loss
-        sums = {}
-        if self.actor.tis.enable:
-            w, stats = tis_weights(mb.old_logprobs, mb.rollout_logprobs, mask, clip=self.actor.tis.clip)
-            token_loss = token_loss * w
-            # torch.where, not `* mask`: NaN/inf at masked positions would survive a multiply by 0
-            raw = torch.exp(torch.clamp(mb.old_logprobs - mb.rollout_logprobs, -20, 20))
-            sums["tis_raw"] = torch.where(mask, raw, torch.zeros_like(raw)).sum()
-            sums["tis_used"] = w.sum()  # 0 at masked positions already
+        token_loss = out.token_loss if weights is None else out.token_loss * weights  # weights: detached
         if self._kl_coef > 0:
             # the mask goes in, so masked reference log-probs are never used (a NaN there would
             # otherwise give NaN gradients through torch.where's zero branch)
@@ -299,7 +328,7 @@ class PolicyTrainer:
         for _ in range(ppo_epochs):
             for start in range(0, len(batch), mini_batch_sequences):
                 mini = batch.slice(start, min(start + mini_batch_sequences, len(batch)))
-                if not bool(mini.loss_mask.any()):
+                if not bool(self._trained_mask(mini).any()):  # (a zero normaliser would give NaN gradients)
                     logger.warning("mini-batch at sequence %d has no trained token; skipped", start)
                     continue
                 out = self.accumulate_gradients(mini)
@@ -322,10 +351,26 @@ class PolicyTrainer:
                     "train/lr": self.optimizer.param_groups[0]["lr"],
                     "train/update_skipped": float(not ok),
                 }
-                if self.actor.tis.enable:
-                    rec["train/tis_raw_ratio_mean"] = sums["tis_raw"] / tokens
-                    rec["train/tis_weight_mean"] = sums["tis_used"] / tokens
+                rec.update(self._correction_metrics(sums))
                 if self._kl_coef > 0:
                     rec["train/kl_loss"] = sums["kl"] / tokens
                 history.append(rec)
         return history
+
+    def _trained_mask(self, mini: TrainBatch) -> torch.Tensor:
+        """`[N, S] bool`: the tokens of `mini` the loss trains, after the correction's rejection."""
+        if self.correction.mode == "none":
+            return mini.loss_mask
+        return rollout_correction(mini.old_logprobs, mini.rollout_logprobs, mini.loss_mask, self.correction.mode,
+                                  **self.correction.options).loss_mask
+
+    def _correction_metrics(self, sums: dict) -> dict:
+        """The correction's metrics of one mini-batch from its summed `rc_*` sums: shares and means
+        over the valid tokens before the correction (ALGORITHMS.md 8; verl's `rollout_corr/` names)."""
+        mode = self.correction.mode
+        if mode == "none":
+            return {}
+        valid = max(sums.get("rc_valid", 0.0), 1.0)
+        legacy = self.actor.tis.enable
+        return {name: sums.get(f"rc_{key}", 0.0) / valid for name, (key, modes) in _RC_METRICS.items()
+                if mode in modes or (legacy and name.startswith("train/tis_"))}

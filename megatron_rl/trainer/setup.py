@@ -197,6 +197,7 @@ def _build_model(run: Run, tf_config, *, trainable: bool = True):
 
 def _build_policy(run: Run) -> None:
     """The policy (and reference) model, DDP + optimizer + LR schedule, and the `PolicyTrainer`."""
+    from megatron_rl.config.validate import rollout_correction_of
     from megatron_rl.models.builder import transformer_config_for, wrap_ddp_and_optimizer
     from megatron_rl.models.hf_config import build_model_spec
     from megatron_rl.trainer.policy import PolicyTrainer
@@ -224,7 +225,7 @@ def _build_policy(run: Run) -> None:
         tp_group=pgs.tp if t.tensor_model_parallel_size > 1 else None, ref_model=run.ref_model,
         dp_group=pgs.dp_cp if pgs.dp_size * pgs.cp_size > 1 else None,
         pp_group=pgs.pp if pgs.pp_size > 1 else None, max_tokens_per_micro_batch=a.token_budget,
-        actor=a, max_response_length=cfg.data.max_response_length,
+        actor=a, max_response_length=cfg.data.max_response_length, rollout_correction=rollout_correction_of(cfg),
     )
 
 

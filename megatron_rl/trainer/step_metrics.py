@@ -94,7 +94,8 @@ def step_metrics(produced: ProducedStep, batch, history: list[dict], times: dict
     Args:
         produced: the producer's output of this step (samples, kept groups, stats, timings).
         batch: the `TrainBatch` trained on (`old_logprobs`, `rollout_logprobs`: [B, S] float32;
-            `loss_mask`: [B, S] bool, True = trained).
+            `loss_mask`: [B, S] bool, True = trained). `train/rollout_logprob_abs_diff` is left out
+            when `old_logprobs` is `rollout_logprobs` itself (nothing was recomputed).
         history: one dict per mini-batch update (`PolicyTrainer.update`).
         times: wall seconds of the trainer phases: `advantage`, `old_logprob`, `update`,
             `weight_sync`, `step`.
@@ -104,9 +105,10 @@ def step_metrics(produced: ProducedStep, batch, history: list[dict], times: dict
     """
     m = _sample_metrics(produced.samples, produced.kept, produced.ds_stats, produced.daa_stats)
     m.update(_update_metrics(history))
-    with torch.no_grad():
-        diff = (batch.old_logprobs - batch.rollout_logprobs).abs()[batch.loss_mask]
-    m["train/rollout_logprob_abs_diff"] = float(diff.mean()) if diff.numel() else 0.0
+    if batch.old_logprobs is not batch.rollout_logprobs:  # the same tensor: actor.old_logprob_source rollout
+        with torch.no_grad():  # mean |prox_logp - behav_logp| over valid tokens (ALGORITHMS.md 8)
+            diff = (batch.old_logprobs - batch.rollout_logprobs).abs()[batch.loss_mask]
+        m["train/rollout_logprob_abs_diff"] = float(diff.mean()) if diff.numel() else 0.0
     m.update(produced.timings)
     m.update(staleness_metrics(produced, weight_version - 1))
     m.update({

@@ -19,7 +19,7 @@ import torch
 from megatron_rl.algorithms.aggregation import LOSS_AGG_MODES, aggregate_loss
 from megatron_rl.algorithms.kl import KL_TYPES, kl_penalty, tis_weights
 from megatron_rl.algorithms.losses import POLICY_LOSSES, policy_loss_metrics
-from megatron_rl.algorithms.options import POLICY_LOSS_OPTIONS, options_of
+from megatron_rl.algorithms.options import POLICY_LOSS_OPTIONS, ResolvedCorrection, options_of
 from megatron_rl.config.schema import ActorConfig, TISConfig
 from megatron_rl.trainer.batch import TrainBatch
 from megatron_rl.trainer.policy import PolicyTrainer
@@ -123,6 +123,33 @@ def test_trainer_loss_function_metrics(seed, policy_loss):
         assert sums["tokens"] == mask.sum()
         num.backward()
         _finite(f"{policy_loss}/{mode} logits gradient", logits.grad)
+
+
+CORRECTIONS = (ResolvedCorrection("token_tis", {"tis_cap": 2.0}), ResolvedCorrection("seq_tis", {"tis_cap": 2.0}),
+               ResolvedCorrection("mask", {"mask_low": 0.5, "mask_high": 2.0, "level": "token"}),
+               ResolvedCorrection("mask", {"mask_low": 0.5, "mask_high": 2.0, "level": "sequence"}))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("correction", CORRECTIONS, ids=lambda c: f"{c.mode}-{c.options.get('level', '')}")
+def test_trainer_loss_function_every_correction(seed, correction):
+    """The same with each off-policy correction of ALGORITHMS.md 8 (the rc_* sums included)."""
+    g, mask, _, old, rollout, ref, adv = _case(seed)
+    b, s = mask.shape
+    logits = torch.randn(b, s, 11, generator=g).requires_grad_(True)
+    labels = torch.randint(11, (b, s), generator=g)
+    mb = TrainBatch(input_ids=labels, position_ids=torch.arange(s).expand(b, s), labels=labels, loss_mask=mask,
+                    advantages=adv, rollout_logprobs=rollout, old_logprobs=old, ref_logprobs=ref)
+    actor = ActorConfig(use_kl_loss=True, kl_loss_coef=0.1, entropy_coeff=0.01)
+    trainer = PolicyTrainer(None, None, None, vocab_size=11, micro_batch_size=4, actor=actor,
+                            rollout_correction=correction)
+    num, _, sums = trainer._loss_func(mb, logits)
+    _finite(f"{correction.mode} loss", num.detach())
+    for k, v in sums.items():
+        _finite(f"{correction.mode} logged {k}", v)
+    assert sums["rc_valid"] == mask.sum() and sums["tokens"] <= mask.sum()
+    num.backward()
+    _finite(f"{correction.mode} logits gradient", logits.grad)
 
 
 def test_poison_really_poisons():

@@ -3,7 +3,9 @@
 from megatron_rl.algorithms.advantages import ADV_ESTIMATORS
 from megatron_rl.algorithms.aggregation import LOSS_AGG_MODES
 from megatron_rl.algorithms.losses import POLICY_LOSSES
-from megatron_rl.algorithms.options import ADV_ESTIMATOR_SPECS, DAA_FACTOR_OPTIONS, POLICY_LOSS_OPTIONS
+from megatron_rl.algorithms.options import (ADV_ESTIMATOR_SPECS, DAA_FACTOR_OPTIONS, POLICY_LOSS_OPTIONS,
+                                            ROLLOUT_CORRECTION_OPTIONS)
+from megatron_rl.algorithms.rollout_correction import ROLLOUT_CORRECTIONS
 from megatron_rl.rewards.registry import REWARD_FNS
 
 
@@ -21,6 +23,8 @@ def test_exact_registry_names():
     assert ADV_ESTIMATOR_SPECS.names() == ["grpo", "reinforce_plus_plus_baseline", "rloo"]
     assert POLICY_LOSS_OPTIONS.names() == ["cispo", "gspo", "vanilla"]
     assert DAA_FACTOR_OPTIONS.names() == ["balanced", "constant", "power"]
+    assert ROLLOUT_CORRECTIONS.names() == ["mask", "none", "seq_tis", "token_tis"]
+    assert ROLLOUT_CORRECTION_OPTIONS.names() == ["mask", "none", "seq_tis", "token_tis"]
 
 
 def test_algorithms_import_no_heavy_frameworks():
@@ -31,7 +35,7 @@ def test_algorithms_import_no_heavy_frameworks():
         "import sys, megatron_rl.algorithms.advantages, megatron_rl.algorithms.daa, "
         "megatron_rl.algorithms.losses, megatron_rl.algorithms.aggregation, "
         "megatron_rl.algorithms.dynamic_sampling, megatron_rl.algorithms.reward_shaping, "
-        "megatron_rl.algorithms.kl\n"
+        "megatron_rl.algorithms.kl, megatron_rl.algorithms.rollout_correction\n"
         "bad = [m for m in ('megatron', 'transformers', 'sglang') if m in sys.modules]\n"
         "assert not bad, bad"
     )
