@@ -6,6 +6,7 @@ job-layout checks that run before any GPU work, and waiting for rollout servers.
     python slurm/jobtool.py ports --host IP --base 30000 --slot 2 --count 3 [--job JOBID]
     python slurm/jobtool.py check --config R.yaml --trainer-nodes 4 ... [overrides]
     python slurm/jobtool.py wait-health --timeout 600 URL [URL ...]
+    python slurm/jobtool.py vllm-cmd --python P --model M --host IP --port N ... [--extra-args "..."]
 
 Ports (CASES.md B31): SGLang picks its NCCL port as ``http_port + random(100, 1000)`` when none is
 given, so engines sharing a node can collide. Here every engine on a node gets its own block of
@@ -21,7 +22,13 @@ network's address. The user names the interface (``MEGATRON_RL_IFACE``, e.g. ``i
 ``bond0``); each node resolves that interface's IPv4 itself and a node without it stops the job
 with an error naming the node and the interface.
 
-Standard library + psutil + PyYAML only, except `check` (it imports megatron_rl.config).
+Engines (``ROLLOUT_BACKEND``): ``sglang`` or ``vllm`` on the rollout nodes; in CPU mode the embedded
+server stands in for either, speaking the matching API (``--api-dialect vllm`` for vLLM). `check`
+names the ``rollout.backend`` the trainer then needs (`trainer_backend`); `vllm-cmd` prints the
+``vllm serve`` line of ``megatron_rl.rollout.launcher.build_vllm_command``, so that a Slurm engine and
+one started by ``megatron-rl train`` get the same flags.
+
+Standard library + psutil + PyYAML only, except `check` and `vllm-cmd` (they import megatron_rl).
 """
 
 from __future__ import annotations
@@ -35,6 +42,14 @@ from collections.abc import Callable, Mapping, Sequence
 
 PORT_BLOCK = 16
 """Ports reserved per engine slot on a node: slot i owns [base + 16 i, base + 16 i + 16)."""
+
+ENGINES = ("sglang", "vllm")
+"""Values of ROLLOUT_BACKEND: which servers the job starts on the rollout nodes."""
+
+TRAINER_BACKEND = {("gpu", "sglang"): "sglang", ("gpu", "vllm"): "vllm",
+                   ("cpu", "sglang"): "embedded", ("cpu", "vllm"): "vllm-embedded"}
+"""(MEGATRON_RL_DEVICE, ROLLOUT_BACKEND) -> the trainer's ``rollout.backend``: the API its client speaks
+to the job's engines (in CPU mode the embedded server, in SGLang's or vLLM's dialect)."""
 
 
 class JobConfigError(ValueError):
@@ -258,31 +273,58 @@ def check_job(
     rollout_tp_size: int,
     engines_per_node: int,
     device: str,
+    rollout_backend: str = "",
 ) -> dict:
     """The static checks of one job, run on the batch host before any step starts (seconds).
 
     Loads the recipe with its overrides (megatron-rl's own static checks: unknown keys, model
-    layout vs config.json, batch sizes), then checks the node split, the trainer world against
-    TP x PP, the mini-batch split over data-parallel ranks, the rollout engines' TP against the
-    GPUs of a node, that model.path and the data files exist, and that a run_dir holding checkpoints
-    is not combined with trainer.resume_mode=disable.
+    layout vs config.json, batch sizes), then again with the ``rollout.backend`` the trainer will
+    be given (`TRAINER_BACKEND`: e.g. vLLM's weight transfer needs pipeline_model_parallel_size 1),
+    then checks the node split, the trainer world against TP x PP, the mini-batch split over
+    data-parallel ranks, the rollout engines' TP against the GPUs of a node, that model.path and
+    the data files exist, and that a run_dir holding checkpoints is not combined with
+    trainer.resume_mode=disable.
+
+    Args:
+        rollout_backend: ROLLOUT_BACKEND, ``sglang`` or ``vllm``; empty = the recipe's engine
+            (``vllm`` for ``rollout.backend`` vllm / vllm-embedded, else ``sglang``).
 
     Returns:
-        ``{"trainer_world", "dp", "engines", "engines_per_node", "model_path", "run_dir"}`` (the
-        last two resolved against the recipe's folder / the working directory).
+        ``{"trainer_world", "dp", "engines", "engines_per_node", "model_path", "run_dir",
+        "rollout_backend", "trainer_backend", "vllm_python", "vllm_extra_args"}`` (model_path and
+        run_dir resolved against the recipe's folder / the working directory; the last two are the
+        recipe's ``rollout.vllm_python`` and ``rollout.vllm_extra_args``, the latter as one
+        shell-quoted string).
 
     Raises:
         JobConfigError: the message names the setting (job variable or config key).
     """
+    import shlex
+
     from megatron_rl.config import load_config
     from megatron_rl.trainer.preflight import get_check
 
-    try:
-        cfg = load_config(config, list(overrides))
-    except (ValueError, FileNotFoundError) as e:
-        raise JobConfigError(f"{config}: {e}") from None
     if device not in ("gpu", "cpu"):
         raise JobConfigError(f"MEGATRON_RL_DEVICE={device}: expected gpu or cpu")
+    if rollout_backend and rollout_backend not in ENGINES:
+        raise JobConfigError(f"ROLLOUT_BACKEND={rollout_backend}: expected {' or '.join(ENGINES)} (the rollout "
+                             "engines the job starts; unset = the recipe's rollout.backend)")
+
+    def load(trainer_backend: str | None):
+        # the config exactly as the trainer gets it: train.sbatch appends rollout.backend=<trainer_backend>
+        extra = [f"rollout.backend={trainer_backend}"] if trainer_backend else []
+        try:
+            return load_config(config, [*overrides, *extra])
+        except (ValueError, FileNotFoundError) as e:
+            how = f" with ROLLOUT_BACKEND={rollout_backend} (rollout.backend={trainer_backend})" if extra else ""
+            raise JobConfigError(f"{config}{how}: {e}") from None
+
+    cfg = load(TRAINER_BACKEND[device, rollout_backend] if rollout_backend else None)
+    if not rollout_backend:
+        rollout_backend = "vllm" if cfg.rollout.backend in ("vllm", "vllm-embedded") else "sglang"
+        if cfg.rollout.backend != TRAINER_BACKEND[device, rollout_backend]:
+            cfg = load(TRAINER_BACKEND[device, rollout_backend])
+    trainer_backend = TRAINER_BACKEND[device, rollout_backend]
     if trainer_nodes < 1:
         raise JobConfigError(f"TRAINER_NODES={trainer_nodes}: at least one trainer node is needed")
     if rollout_nodes < 0:
@@ -308,13 +350,13 @@ def check_job(
     if device == "gpu":
         if rollout_tp_size < 1 or gpus_per_node % rollout_tp_size:
             raise JobConfigError(
-                f"ROLLOUT_TP_SIZE={rollout_tp_size} must divide GPUS_PER_NODE={gpus_per_node} (one SGLang engine "
+                f"ROLLOUT_TP_SIZE={rollout_tp_size} must divide GPUS_PER_NODE={gpus_per_node} (one rollout engine "
                 "per ROLLOUT_TP_SIZE GPUs of a rollout node; engines spanning nodes are not supported here)"
             )
         per_node = gpus_per_node // rollout_tp_size
         if rollout_nodes == 0:
             raise JobConfigError("ROLLOUT_NODES=0 on GPUs: the trainer takes every GPU of its nodes; give the "
-                                 "SGLang engines nodes of their own")
+                                 "rollout engines nodes of their own")
     else:
         per_node = engines_per_node
         if per_node < 1:
@@ -341,7 +383,33 @@ def check_job(
         else:
             os.environ["WORLD_SIZE"] = saved
     return {"trainer_world": world, "dp": world // mp, "engines": engines, "engines_per_node": per_node,
-            "model_path": str(cfg.model.path), "run_dir": str(cfg.run_dir)}
+            "model_path": str(cfg.model.path), "run_dir": str(cfg.run_dir), "rollout_backend": rollout_backend,
+            "trainer_backend": trainer_backend, "vllm_python": cfg.rollout.vllm_python,
+            "vllm_extra_args": shlex.join(cfg.rollout.vllm_extra_args)}
+
+
+def vllm_command(python: str, model: str, *, host: str, port: int, tp_size: int, gpu_memory_utilization: float,
+                 seed: int, extra_args: Sequence[str] = ()) -> list[str]:
+    """The ``vllm serve`` command line of one Slurm engine: `megatron_rl.rollout.launcher.build_vllm_command`
+    (the line ``rollout.backend: vllm`` starts), each string of ``extra_args`` split as a shell would.
+
+    Raises:
+        JobConfigError: ``tp_size`` or ``gpu_memory_utilization`` out of range, or an extra-args
+            string with unbalanced quotes.
+    """
+    import shlex
+
+    from megatron_rl.rollout.launcher import build_vllm_command
+
+    try:
+        extra = [a for text in extra_args for a in shlex.split(text)]
+    except ValueError as e:
+        raise JobConfigError(f"VLLM_EXTRA_ARGS / rollout.vllm_extra_args: {e}: {list(extra_args)}") from None
+    try:
+        return build_vllm_command(model, python=python, host=host, port=port, tp_size=tp_size,
+                                  gpu_memory_utilization=gpu_memory_utilization, seed=seed, extra_args=extra)
+    except ValueError as e:
+        raise JobConfigError(f"{e} (ROLLOUT_TP_SIZE / ROLLOUT_MEM_FRACTION)") from None
 
 
 def wait_health(urls: Sequence[str], timeout_s: float) -> None:
@@ -389,7 +457,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                  "engines-per-node"):
         a.add_argument(f"--{name}", type=int, required=True)
     a.add_argument("--device", required=True)
+    a.add_argument("--rollout-backend", default="", help="ROLLOUT_BACKEND: sglang | vllm (empty: the recipe's)")
     a.add_argument("overrides", nargs="*")
+    a = sub.add_parser("vllm-cmd", help="the `vllm serve` line of one engine, shell-quoted")
+    a.add_argument("--python", required=True, help="interpreter of vLLM's environment")
+    a.add_argument("--model", required=True)
+    a.add_argument("--host", required=True)
+    a.add_argument("--port", type=int, required=True)
+    a.add_argument("--tp-size", type=int, required=True)
+    a.add_argument("--gpu-memory-utilization", type=float, required=True)
+    a.add_argument("--seed", type=int, required=True)
+    a.add_argument("--extra-args", action="append", default=[], help="more flags, split as a shell would")
     a = sub.add_parser("wait-health", help="wait until every URL's /health answers 200")
     a.add_argument("--timeout", type=float, default=600)
     a.add_argument("urls", nargs="+")
@@ -408,11 +486,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.config, args.overrides, total_nodes=args.total_nodes, trainer_nodes=args.trainer_nodes,
                 rollout_nodes=args.rollout_nodes, gpus_per_node=args.gpus_per_node,
                 rollout_tp_size=args.rollout_tp_size, engines_per_node=args.engines_per_node, device=args.device,
+                rollout_backend=args.rollout_backend,
             )
             # shell assignments for `eval` in slurm/train.sbatch
             import shlex
 
             print("\n".join(f"JOB_{k.upper()}={shlex.quote(str(v))}" for k, v in out.items()))
+        elif args.cmd == "vllm-cmd":
+            import shlex
+
+            print(shlex.join(vllm_command(args.python, args.model, host=args.host, port=args.port,
+                                          tp_size=args.tp_size, gpu_memory_utilization=args.gpu_memory_utilization,
+                                          seed=args.seed, extra_args=args.extra_args)))
         else:
             wait_health(args.urls, args.timeout)
     except (JobConfigError, TimeoutError) as e:

@@ -98,8 +98,8 @@ class RolloutConfig:
     backend: str = "embedded"
     """Which servers `megatron-rl train` starts (or, with `server_urls`, which API the given ones
     speak): `embedded` (the project's HF-transformers server speaking SGLang's HTTP API), `sglang`
-    (`<sglang_python> -m sglang.launch_server`), `vllm` (`<vllm_python> -m
-    vllm.entrypoints.openai.api_server` with native NCCL weight transfer, vLLM 0.33.x's API,
+    (`<sglang_python> -m sglang.launch_server`), `vllm` (`vllm serve`, run as `<vllm_python> -m
+    vllm.entrypoints.cli.main serve`, with native NCCL weight transfer, vLLM 0.33.x's API,
     docs/VLLM_API.md) or `vllm-embedded` (the embedded server speaking vLLM's API, a CPU stand-in
     for a vLLM server: the vLLM client path end to end where vLLM cannot run)."""
     server_urls: list[str] = field(default_factory=list)
@@ -115,7 +115,7 @@ class RolloutConfig:
     """Interpreter of the environment vLLM 0.33.x is installed in (`rollout.backend: vllm`; vLLM pins
     its own torch, so it never shares the trainer's environment and the trainer never imports it)."""
     vllm_extra_args: list[str] = field(default_factory=list)
-    """More `vllm.entrypoints.openai.api_server` flags, passed as given (e.g. `["--enforce-eager"]`)."""
+    """More `vllm serve` flags, passed as given (e.g. `["--enforce-eager"]`)."""
     tp_size: int = 1
     """GPUs per rollout engine (its ranks in the weight-sync group): SGLang `--tp-size`, vLLM
     `--tensor-parallel-size`."""

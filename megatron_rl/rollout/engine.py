@@ -7,7 +7,7 @@ the ports it needs) and how to talk to it (its client class).
 
 Backends today: `embedded` (this project's server, `python -m megatron_rl.engine`) and `sglang`
 (`python -m sglang.launch_server`) speak SGLang's HTTP API, so `RolloutClient` is the client of
-both; `vllm` (`python -m vllm.entrypoints.openai.api_server`) and `vllm-embedded` (the embedded
+both; `vllm` (`vllm serve`: `python -m vllm.entrypoints.cli.main serve`) and `vllm-embedded` (the embedded
 server with `--api-dialect vllm`, a CPU stand-in) speak vLLM's, with `VLLMClient`
 (`megatron_rl.rollout.vllm_client`). Method names follow SGLang's endpoints (docs/SGLANG_API.md);
 VLLMClient maps them onto vLLM's (docs/VLLM_API.md).

@@ -1,6 +1,6 @@
 """Start and stop rollout servers as subprocesses, one interface for every backend.
 
-``vllm``: ``<python> -m vllm.entrypoints.openai.api_server`` (vLLM 0.33.x, its own environment,
+``vllm``: ``<python> -m vllm.entrypoints.cli.main serve <model>`` (= ``vllm serve``; vLLM 0.33.x, its own environment,
 ``VLLM_SERVER_DEV_MODE=1``, native NCCL weight transfer) under the watchdog like SGLang;
 ``vllm-embedded``: the embedded server with ``--api-dialect vllm`` (docs/VLLM_API.md).
 
@@ -454,10 +454,11 @@ def build_vllm_command(
     extra_args: Sequence[str] = (),
 ) -> list[str]:
     """Command line of vLLM 0.33.x's OpenAI-compatible server with native NCCL weight transfer
-    (docs/VLLM_API.md): ``<python> -m vllm.entrypoints.openai.api_server --model ... --port ...
-    --tensor-parallel-size ... --weight-transfer-config '{"backend": "nccl"}'``. The dev-mode routes
-    it needs (pause, weight transfer) are on only with ``VLLM_SERVER_DEV_MODE=1`` in its environment
-    (the `vllm` backend sets it).
+    (docs/VLLM_API.md): ``<python> -m vllm.entrypoints.cli.main serve <model> --host ... --port ...
+    --tensor-parallel-size ... --weight-transfer-config '{"backend": "nccl"}'``, i.e. ``vllm serve``
+    run by the interpreter of vLLM's own environment. The dev-mode routes it needs (pause, weight
+    transfer) are on only with ``VLLM_SERVER_DEV_MODE=1`` in its environment (the `vllm` backend
+    sets it; so does slurm/lib/engine.sh, which prints this line with ``jobtool.py vllm-cmd``).
 
     Args:
         python: interpreter of the environment where vLLM is installed.
@@ -473,7 +474,7 @@ def build_vllm_command(
     if gpu_memory_utilization is not None and not 0.0 < gpu_memory_utilization < 1.0:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1), got {gpu_memory_utilization}")
     cmd = [
-        python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path), "--host", host,
+        python, "-m", "vllm.entrypoints.cli.main", "serve", str(model_path), "--host", host,
         "--port", str(port), "--tensor-parallel-size", str(tp_size),
         "--weight-transfer-config", json.dumps({"backend": "nccl"}),
     ]

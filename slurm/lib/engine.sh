@@ -2,9 +2,11 @@
 # One rollout engine: run by `srun --ntasks-per-node=ENGINES_PER_NODE` from slurm/train.sbatch, one
 # task per engine. Picks the engine's ports from its own per-node slot (B31: SLURM_LOCALID -> a
 # block of ports, no random offsets), publishes its URL for the batch script, then becomes the
-# server: SGLang on GPUs, the embedded `megatron-rl rollout-server` in CPU mode.
+# server: SGLang or vLLM (ROLLOUT_BACKEND) on GPUs, the embedded `megatron-rl rollout-server` in CPU
+# mode (with `--api-dialect vllm` for ROLLOUT_BACKEND=vllm: vLLM's API, its CPU stand-in).
 # Env (from train.sbatch): JOB_DIR, PYTHON, REPO, MEGATRON_RL_DEVICE, MODEL_PATH, ROLLOUT_BASE_PORT,
-# ROLLOUT_TP_SIZE, ROLLOUT_MEM_FRACTION, SGLANG_EXTRA_ARGS, ROLLOUT_SEED.
+# ROLLOUT_TP_SIZE, ROLLOUT_MEM_FRACTION, SGLANG_EXTRA_ARGS, ROLLOUT_SEED, ROLLOUT_BACKEND, VLLM_PYTHON,
+# JOB_VLLM_EXTRA_ARGS (the recipe's rollout.vllm_extra_args), VLLM_EXTRA_ARGS.
 set -euo pipefail
 
 node="${SLURMD_NODENAME:?not inside a Slurm step}"
@@ -30,12 +32,25 @@ if [ "$MEGATRON_RL_DEVICE" = gpu ]; then
   first=$(( slot * ROLLOUT_TP_SIZE ))
   CUDA_VISIBLE_DEVICES=$(seq -s, "$first" $(( first + ROLLOUT_TP_SIZE - 1 )))
   export CUDA_VISIBLE_DEVICES
+  if [ "${ROLLOUT_BACKEND:-sglang}" = vllm ]; then
+    # `vllm serve` exactly as `megatron-rl train` starts it (launcher.build_vllm_command, via jobtool);
+    # its NCCL weight transfer and pause routes need dev mode. vLLM takes its internal ports from
+    # the OS (bound, not random offsets); only the HTTP port is picked here.
+    line=$("$PYTHON" "$REPO/slurm/jobtool.py" vllm-cmd --python "${VLLM_PYTHON:-python}" --model "$MODEL_PATH" \
+      --host "$ip" --port "$port" --tp-size "$ROLLOUT_TP_SIZE" --gpu-memory-utilization "$ROLLOUT_MEM_FRACTION" \
+      --seed "$ROLLOUT_SEED" --extra-args "${JOB_VLLM_EXTRA_ARGS:-}" --extra-args "${VLLM_EXTRA_ARGS:-}")
+    eval "cmd=($line)"   # shell-quoted by jobtool (shlex.join)
+    export VLLM_SERVER_DEV_MODE=1
+    exec "${cmd[@]}"
+  fi
   # shellcheck disable=SC2086  # SGLANG_EXTRA_ARGS is a list of flags
   exec "$PYTHON" -m sglang.launch_server --model-path "$MODEL_PATH" --tp-size "$ROLLOUT_TP_SIZE" \
     --host "$ip" --port "$port" --nccl-port "$nccl_port" --dist-init-addr "$ip:$dist_port" \
     --mem-fraction-static "$ROLLOUT_MEM_FRACTION" --random-seed "$ROLLOUT_SEED" ${SGLANG_EXTRA_ARGS:-}
 else
-  # the embedded server speaks the same HTTP API; it has no NCCL/dist-init ports (gloo, one process)
+  # the embedded server speaks the engine's HTTP API (SGLang's, or vLLM's with --api-dialect vllm);
+  # it has no NCCL/dist-init ports (gloo, one process)
+  dialect=(); [ "${ROLLOUT_BACKEND:-sglang}" = vllm ] && dialect=(--api-dialect vllm)
   exec "$PYTHON" -m megatron_rl.cli rollout-server --model-path "$MODEL_PATH" --host "$ip" --port "$port" \
-    --random-seed "$ROLLOUT_SEED"
+    --random-seed "$ROLLOUT_SEED" "${dialect[@]}"
 fi

@@ -78,12 +78,16 @@ def test_two_refused_syncs_stop_every_rank_with_the_checkpoint_intact(tmp_path):
     assert _no_server_left(run_dir)
 
 
-def test_server_killed_mid_rollout_is_restarted_and_every_rank_resyncs(clean_run, tmp_path):
+@pytest.mark.parametrize("backend", ["embedded", "vllm-embedded"])
+def test_server_killed_mid_rollout_is_restarted_and_every_rank_resyncs(clean_run, tmp_path, backend):
     """The only rollout server is killed (SIGKILL) while step 2 generates: the controller restarts
     it and publishes the current weights at once; the other trainer rank, waiting for the step's
     batch, receives the weight publisher's plan instead and takes part in the TP gathers of the
     re-sync; the step completes and the run's sampled tokens and metrics equal a run without
-    faults (deterministic inference, seeded requests retried with the same seeds)."""
+    faults (deterministic inference, seeded requests retried with the same seeds). In SGLang's
+    dialect and in vLLM's (`vllm-embedded`: VLLMClient, a fresh server joined through
+    /init_weight_transfer_engine; its tokens equal the SGLang dialect's, tests/e2e/test_train_vllm_dialect.py,
+    so the same clean run is the reference)."""
     import signal
     import time
 
@@ -96,7 +100,7 @@ def test_server_killed_mid_rollout_is_restarted_and_every_rank_resyncs(clean_run
          "trainer.save_interval=1", "eval.max_problems=8", "eval.n=1", "eval.interval=0",
          "data.train_batch_size=4", "data.gen_batch_size=6", "rollout.n=4", "actor.ppo_mini_batch_size=4",
          "trainer.nproc_per_node=2", "trainer.tensor_model_parallel_size=2",
-         "rollout.enable_deterministic_inference=true", "rollout.max_server_restarts=1"],
+         "rollout.enable_deterministic_inference=true", "rollout.max_server_restarts=1", f"rollout.backend={backend}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
     log = run_dir / "train.log"
     try:
@@ -117,6 +121,8 @@ def test_server_killed_mid_rollout_is_restarted_and_every_rank_resyncs(clean_run
     assert proc.returncode == 0, err[-4000:]
     text = log.read_text()
     assert "restarting rollout server 0" in text and "re-sync to weight version 1 done" in text, text[-3000:]
+    dialect = "vllm" if backend == "vllm-embedded" else "sglang"
+    assert (run_dir / "rollout_server_0.log").read_text().count(f"({dialect} dialect,") == 2  # started, restarted
     got = _steps(run_dir)
     for step, want in clean_run.items():
         for key in ("rollout/token_checksum", "train/acc", "train/loss", "train/grad_norm"):

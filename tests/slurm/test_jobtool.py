@@ -1,5 +1,6 @@
-"""slurm/jobtool.py: per-engine ports and interface resolution (CASES.md B31), and the static job
-checks that make a misconfigured sbatch job fail before any step starts. No Slurm needed."""
+"""slurm/jobtool.py: per-engine ports and interface resolution (CASES.md B31), the static job
+checks that make a misconfigured sbatch job fail before any step starts, the engine choice
+(ROLLOUT_BACKEND) and the `vllm serve` line of slurm/lib/engine.sh. No Slurm needed."""
 
 from __future__ import annotations
 
@@ -121,37 +122,56 @@ def test_32b_layouts_pass_the_layout_checks(tmp_path):
     assert out["trainer_world"] == 32 and out["dp"] == 2 and out["engines"] == 8 and out["engines_per_node"] == 2
 
 
-def test_engine_script_gpu_branch_flags_and_gpus(tmp_path):
+def _fake_module(root: Path, dotted: str) -> None:
+    """A stand-in for ``python -m <dotted>`` under ``root``: it records its argv, its GPUs and
+    VLLM_SERVER_DEV_MODE in the JSON file named by FAKE_OUT."""
+    *pkgs, mod = dotted.split(".")
+    d = root
+    for pkg in pkgs:
+        d = d / pkg
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "__init__.py").write_text("")
+    (d / f"{mod}.py").write_text(
+        "import json, os, sys\n"
+        "json.dump({'argv': sys.argv[1:], 'gpus': os.environ['CUDA_VISIBLE_DEVICES'],"
+        " 'dev_mode': os.environ.get('VLLM_SERVER_DEV_MODE')}, open(os.environ['FAKE_OUT'], 'w'))\n"
+    )
+
+
+@pytest.mark.parametrize("backend", ["sglang", "vllm"])
+def test_engine_script_gpu_branch_flags_and_gpus(tmp_path, backend):
     """slurm/lib/engine.sh in GPU mode, two engines of TP 4 on one node (B31: unique ports per
-    engine). SGLang cannot run here, so a fake `sglang.launch_server` module (it only records its
-    argv and CUDA_VISIBLE_DEVICES) stands in for it; everything else is the real script."""
+    engine), for either engine (ROLLOUT_BACKEND). Neither SGLang nor vLLM can run here, so a fake
+    `sglang.launch_server` / `vllm.entrypoints.cli.main` module (it only records its argv and
+    environment) stands in for it; everything else is the real script. vLLM's line is
+    `launcher.build_vllm_command`'s, the recipe's `rollout.vllm_extra_args` (JOB_VLLM_EXTRA_ARGS)
+    before VLLM_EXTRA_ARGS, in dev mode."""
     import json
     import os
     import subprocess
     import sys
 
-    fake = tmp_path / "fake" / "sglang"
-    fake.mkdir(parents=True)
-    (fake / "__init__.py").write_text("")
-    (fake / "launch_server.py").write_text(
-        "import json, os, sys\n"
-        "json.dump({'argv': sys.argv[1:], 'gpus': os.environ['CUDA_VISIBLE_DEVICES']},"
-        " open(os.environ['FAKE_OUT'], 'w'))\n"
-    )
+    from megatron_rl.rollout.launcher import build_vllm_command
+
+    _fake_module(tmp_path / "fake", "sglang.launch_server" if backend == "sglang" else "vllm.entrypoints.cli.main")
     job = tmp_path / "job"
     (job / "urls").mkdir(parents=True)
     (job / "hosts").write_text("gpu-node-1 127.0.0.1\n")  # ports are checked by binding this address
     # away from other tests' ports and below Linux's ephemeral range (32768+), where any outgoing
     # connection on the machine can hold a port for a while
-    base = 20000 + 16 * 8 * (os.getpid() % 60)
+    base = 20000 + 16 * 8 * (os.getpid() % 60) + (0 if backend == "sglang" else 32)
     got = []
     for slot in (0, 1):
         env = dict(os.environ, SLURMD_NODENAME="gpu-node-1", SLURM_LOCALID=str(slot), SLURM_PROCID=str(4 + slot),
                    JOB_DIR=str(job), PYTHON=sys.executable, REPO=str(REPO), MEGATRON_RL_DEVICE="gpu",
                    MODEL_PATH="/ckpt/Qwen2.5-32B", ROLLOUT_BASE_PORT=str(base), ROLLOUT_TP_SIZE="4",
                    ROLLOUT_MEM_FRACTION="0.85", ROLLOUT_SEED="7", SGLANG_EXTRA_ARGS="--enable-metrics",
+                   ROLLOUT_BACKEND=backend, VLLM_PYTHON=sys.executable,
+                   JOB_VLLM_EXTRA_ARGS="--max-model-len 22528",
+                   VLLM_EXTRA_ARGS="--enforce-eager --override-generation-config '{\"temperature\": 1.0}'",
                    FAKE_OUT=str(tmp_path / f"engine{slot}.json"),
                    PYTHONPATH=os.pathsep.join([str(tmp_path / "fake"), os.environ.get("PYTHONPATH", "")]))
+        env.pop("VLLM_SERVER_DEV_MODE", None)
         proc = subprocess.run(["bash", str(REPO / "slurm/lib/engine.sh")], env=env, capture_output=True, text=True,
                               timeout=60)
         assert proc.returncode == 0, proc.stderr
@@ -159,11 +179,83 @@ def test_engine_script_gpu_branch_flags_and_gpus(tmp_path):
     assert got[0]["gpus"] == "0,1,2,3" and got[1]["gpus"] == "4,5,6,7"
     for slot, g in enumerate(got):
         p = base + 16 * slot
-        assert g["argv"] == ["--model-path", "/ckpt/Qwen2.5-32B", "--tp-size", "4", "--host", "127.0.0.1",
-                             "--port", str(p), "--nccl-port", str(p + 1), "--dist-init-addr", f"127.0.0.1:{p + 2}",
-                             "--mem-fraction-static", "0.85", "--random-seed", "7", "--enable-metrics"]
+        if backend == "sglang":
+            assert g["argv"] == ["--model-path", "/ckpt/Qwen2.5-32B", "--tp-size", "4", "--host", "127.0.0.1",
+                                 "--port", str(p), "--nccl-port", str(p + 1), "--dist-init-addr", f"127.0.0.1:{p + 2}",
+                                 "--mem-fraction-static", "0.85", "--random-seed", "7", "--enable-metrics"]
+            assert g["dev_mode"] is None
+        else:
+            want = build_vllm_command("/ckpt/Qwen2.5-32B", python=sys.executable, host="127.0.0.1", port=p, tp_size=4,
+                                      gpu_memory_utilization=0.85, seed=7,
+                                      extra_args=["--max-model-len", "22528", "--enforce-eager",
+                                                  "--override-generation-config", '{"temperature": 1.0}'])
+            assert g["argv"] == want[3:]  # what `python -m vllm.entrypoints.cli.main` sees: serve MODEL ...
+            assert g["argv"][:2] == ["serve", "/ckpt/Qwen2.5-32B"] and g["dev_mode"] == "1"
+            flags = dict(zip(g["argv"][2::2], g["argv"][3::2]))
+            assert flags["--tensor-parallel-size"] == "4" and flags["--gpu-memory-utilization"] == "0.85"
+            assert flags["--seed"] == "7" and flags["--port"] == str(p) and flags["--host"] == "127.0.0.1"
+            assert json.loads(flags["--weight-transfer-config"]) == {"backend": "nccl"}
     assert (job / "urls" / "00004").read_text().strip() == f"http://127.0.0.1:{base}"
     assert (job / "urls" / "00005").read_text().strip() == f"http://127.0.0.1:{base + 16}"
+
+
+def test_vllm_cmd_prints_the_launchers_line_shell_quoted(capsys):
+    """`jobtool.py vllm-cmd`: `launcher.build_vllm_command`'s line (what `rollout.backend: vllm`
+    starts), shell-quoted, extra-args strings split as a shell would; bad values name the job variable."""
+    import shlex
+
+    from megatron_rl.rollout.launcher import build_vllm_command
+
+    argv = ["vllm-cmd", "--python", "/opt/vllm/bin/python", "--model", "/ckpt/m", "--host", "10.0.0.5",
+            "--port", "30000", "--tp-size", "4", "--gpu-memory-utilization", "0.85", "--seed", "1234",
+            "--extra-args", "--max-model-len 22528", "--extra-args", ""]
+    assert jobtool.main(argv) == 0
+    line = capsys.readouterr().out.strip()
+    assert shlex.split(line) == build_vllm_command(
+        "/ckpt/m", python="/opt/vllm/bin/python", host="10.0.0.5", port=30000, tp_size=4, gpu_memory_utilization=0.85,
+        seed=1234, extra_args=["--max-model-len", "22528"])
+    assert """--weight-transfer-config '{"backend": "nccl"}'""" in line
+    with pytest.raises(jobtool.JobConfigError, match=r"gpu_memory_utilization must be in \(0, 1\).*ROLLOUT_MEM_FRACTION"):
+        jobtool.vllm_command("python", "/m", host="h", port=1, tp_size=1, gpu_memory_utilization=1.5, seed=0)
+    assert jobtool.main([*argv[:-1], "--enforce-eager 'unbalanced"]) == 2
+    assert "VLLM_EXTRA_ARGS" in capsys.readouterr().err
+
+
+def test_check_rollout_backend_picks_the_trainers_backend(tmp_path):
+    """ROLLOUT_BACKEND (sglang | vllm, unset = the recipe's engine) decides the engines and the
+    trainer's rollout.backend (on CPU the embedded server in the matching dialect); the config is
+    checked as the trainer gets it, so a layout vLLM cannot take is refused before any step."""
+    ci = str(REPO / "examples/tiny/ci.yaml")
+    cpu = dict(total_nodes=1, trainer_nodes=1, rollout_nodes=0, gpus_per_node=1, rollout_tp_size=1,
+               engines_per_node=1, device="cpu")
+    out = jobtool.check_job(ci, [], **cpu)
+    assert (out["rollout_backend"], out["trainer_backend"]) == ("sglang", "embedded")
+    out = jobtool.check_job(ci, [], rollout_backend="vllm", **cpu)
+    assert (out["rollout_backend"], out["trainer_backend"]) == ("vllm", "vllm-embedded")
+    out = jobtool.check_job(ci, ["rollout.backend=vllm-embedded"], **cpu)  # unset: the recipe's engine
+    assert (out["rollout_backend"], out["trainer_backend"]) == ("vllm", "vllm-embedded")
+    with pytest.raises(jobtool.JobConfigError, match=r"ROLLOUT_BACKEND=trt: expected sglang or vllm"):
+        jobtool.check_job(ci, [], rollout_backend="trt", **cpu)
+    with pytest.raises(jobtool.JobConfigError, match=r"with ROLLOUT_BACKEND=vllm \(rollout.backend=vllm-embedded\): "
+                                                     r".*load_format"):
+        jobtool.check_job(ci, ["weight_sync.load_format=flattened_bucket"], rollout_backend="vllm", **cpu)
+
+    model = tmp_path / "Qwen2.5-32B"
+    model.mkdir()
+    (model / "config.json").write_text((REPO / "examples/qwen2.5-32b/config.json").read_text())
+    data = tmp_path / "d.jsonl"
+    data.write_text("")
+    files = [f"model.path={model}", f"data.train_files=[{data}]", f"data.val_files=[{data}]"]
+    # the SGLang recipe's PP 2 cannot feed vLLM's single weight-transfer group
+    with pytest.raises(jobtool.JobConfigError, match=r"ROLLOUT_BACKEND=vllm \(rollout.backend=vllm\).*"
+                                                     r"pipeline_model_parallel_size 2"):
+        _check(overrides=files, rollout_backend="vllm")
+    out = _check(config=str(REPO / "examples/qwen2.5-32b/dapo-vllm.yaml"), overrides=files)
+    assert out["rollout_backend"] == "vllm" and out["trainer_backend"] == "vllm"
+    assert out["trainer_world"] == 32 and out["dp"] == 4 and out["engines"] == 8 and out["engines_per_node"] == 2
+    assert out["vllm_python"] == "python" and out["vllm_extra_args"] == "--max-model-len 22528"
+    out = _check(config=str(REPO / "examples/qwen2.5-32b/dapo-vllm.yaml"), overrides=files, rollout_backend="sglang")
+    assert out["trainer_backend"] == "sglang"  # the job's engines decide, not the recipe
 
 
 def test_port_claims_keep_two_jobs_on_one_node_apart(tmp_path):

@@ -1,5 +1,6 @@
 """The project's real sbatch scripts on a real one-node Slurm cluster (slurmctld + slurmd +
-munged started by scripts/setup_slurm.sh): the CI recipe end to end, a job requeued mid-run
+munged started by scripts/setup_slurm.sh): the CI recipe end to end (with SGLang's and with vLLM's
+API, ROLLOUT_BACKEND), a job requeued mid-run
 (`scontrol requeue`) resuming from its last checkpoint, the pre-emption signal path
 (`scancel --signal=USR1 --batch`: checkpoint, exit 75, self-requeue, resume), and misconfigured
 jobs failing in seconds before any step starts.
@@ -167,6 +168,29 @@ def test_ci_recipe_through_sbatch(cluster, tmp_path):
     bad, bout = submit(tmp_path, "to-nowhere", script="slurm/convert.sbatch")
     assert wait_state(bad, ENDED, 60, bout)["ExitCode"] == "2:0"
     assert "first argument: to-hf or to-megatron (got 'to-nowhere')" in bout.read_text()
+
+
+def test_ci_recipe_with_vllm_engines_through_sbatch(cluster, tmp_path):
+    """ROLLOUT_BACKEND=vllm in CPU mode (issue 18): the rollout step starts the embedded server in
+    vLLM's dialect (`--api-dialect vllm`, the stand-in for `vllm serve`) and the trainer gets
+    rollout.backend=vllm-embedded, so it samples and syncs weights through vLLM's routes
+    (VLLMClient); two short steps complete."""
+    run = tmp_path / "run"
+    job, out = submit(tmp_path, f"run_dir={run}", "trainer.total_training_steps=2", "trainer.save_interval=0",
+                      "data.train_batch_size=4", "data.gen_batch_size=6", "rollout.n=4", "actor.ppo_mini_batch_size=2",
+                      *FAST, env={"ROLLOUT_BACKEND": "vllm"})
+    info = wait_state(job, ENDED, 600, out)
+    text = out.read_text()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text[-4000:]
+    assert "ROLLOUT_BACKEND=vllm, trainer rollout.backend=vllm-embedded" in text
+    assert metric_steps(run) == [1, 2]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["weight_sync/version"] for r in rows if "train/acc" in r] == [1, 2]  # synced over vLLM's routes
+    jobdir = run / "slurm" / f"job-{job}"
+    assert (jobdir / "trainer.args").read_text().splitlines()[-1] == "rollout.backend=vllm-embedded"
+    node = job_info(job)["NodeList"]
+    assert "(vllm dialect," in (jobdir / f"rollout-{node}-0.log").read_text()
+    assert "rollout servers reachable" in (run / "train.log").read_text()
 
 
 def test_requeue_mid_run_resumes_from_last_checkpoint(cluster, tmp_path):

@@ -6,7 +6,9 @@ its defaults and the DA3PO recipes became the paper's rule (`factor: constant`, 
 `trainer.max_generated_tokens` (default 0) is new; `rollout.vllm_python` and `rollout.vllm_extra_args`
 are new (issue 18); `trainer.max_staleness` (default 0), `algorithm.rollout_correction.*` (mode auto:
 no correction unless actor.tis or trainer.max_staleness asks) and `actor.old_logprob_source`
-(recompute) are new (issue 16)."""
+(recompute) are new (issue 16).
+Added since: `examples/qwen2.5-32b/dapo-vllm.yaml` (issue 18), recorded with `_resolved` below; it
+must stay dapo.yaml with vLLM engines (`test_dapo_vllm_is_dapo_with_vllm_engines`)."""
 
 import json
 from pathlib import Path
@@ -33,3 +35,21 @@ def test_recipe_resolves_to_the_recorded_values(case):
 def test_every_example_recipe_is_recorded():
     recipes = {str(p.relative_to(ROOT)) for d in ("tiny", "qwen2.5-32b") for p in (ROOT / "examples" / d).glob("*.yaml")}
     assert recipes <= set(FIXTURE)
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in tree.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def test_dapo_vllm_is_dapo_with_vllm_engines():
+    """The loader has no recipe inheritance, so dapo-vllm.yaml is a full copy of dapo.yaml: it may
+    differ only in the rollout engine's keys and the pipeline split vLLM's weight transfer needs."""
+    sglang = _flat(_resolved("examples/qwen2.5-32b/dapo.yaml", []))
+    vllm = _flat(_resolved("examples/qwen2.5-32b/dapo-vllm.yaml", []))
+    assert {k for k in sglang if sglang[k] != vllm[k]} == {
+        "run_dir", "rollout.backend", "rollout.vllm_extra_args", "rollout.tp_size", "rollout.mem_fraction_static",
+        "trainer.pipeline_model_parallel_size"}
+    assert vllm["rollout.backend"] == "vllm" and vllm["trainer.pipeline_model_parallel_size"] == 1

@@ -96,9 +96,9 @@ def test_vllm_command_has_the_weight_transfer_flags():
     spec = LaunchSpec(model_path="/m", vllm_python="/venv-vllm/bin/python", tp_size=2, mem_fraction_static=0.8,
                       random_seed=7, vllm_args=("--enforce-eager",))
     cmd = engine_backend("vllm").build_command(spec, (8123,))
-    assert cmd[:3] == ["/venv-vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
-    flags = dict(zip(cmd[3::2], cmd[4::2]))
-    assert flags["--model"] == "/m" and flags["--port"] == "8123" and flags["--tensor-parallel-size"] == "2"
+    assert cmd[:5] == ["/venv-vllm/bin/python", "-m", "vllm.entrypoints.cli.main", "serve", "/m"]  # `vllm serve /m`
+    flags = dict(zip(cmd[5::2], cmd[6::2]))
+    assert flags["--port"] == "8123" and flags["--tensor-parallel-size"] == "2"
     assert flags["--gpu-memory-utilization"] == "0.8" and flags["--seed"] == "7"
     assert json.loads(flags["--weight-transfer-config"]) == {"backend": "nccl"}
     assert cmd[-1] == "--enforce-eager"
