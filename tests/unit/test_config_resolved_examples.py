@@ -3,7 +3,7 @@ the config restructuring (fixtures/example_configs_resolved.json, written by the
 3e087e5): options moved into registered dataclasses keep their keys, defaults and spellings.
 Changed since on purpose (issue 19): `algorithm.daa` gained `amplification` and `history_decay`, and
 its defaults and the DA3PO recipes became the paper's rule (`factor: constant`, `difficulty: group`);
-`trainer.max_generated_tokens` (default 0) is new; `rollout.vllm_python` and `rollout.vllm_extra_args`
+`trainer.max_generated_tokens` and `eval.token_interval` (default 0) are new; `rollout.vllm_python` and `rollout.vllm_extra_args`
 are new (issue 18)."""
 
 import json
