@@ -115,22 +115,25 @@ def build_plan(seeds: list[int], *, quick: bool, only: Optional[list[str]] = Non
 # the prompt pool
 
 
-def make_pool(size: int, out: Path, src: Path = TRAIN_JSONL, *, write: bool = True) -> dict:
+def make_pool(size: int, out: Path, src: Path = TRAIN_JSONL, *, write: bool = True,
+              by_level: Optional[dict] = None) -> dict:
     """Write `size` rows of `src` to `out`, stratified by `extra_info.level` (largest-remainder
     allocation in proportion to the level counts, first rows of each level in file order; row
-    order kept). `size` 0 or >= the file's rows = all of them. Rows keep their content, so a
-    prompt's key (`<file>:<row>`) is stable across runs of the study.
+    order kept). `size` 0 or >= the file's rows = all of them. `by_level` ({level: rows}, study v2)
+    takes that many first rows of each level instead (`size` is then ignored). Rows keep their
+    content, so a prompt's key (`<file>:<row>`) is stable across runs of the study.
 
     Returns:
         {"path", "size", "source", "by_level": {level: rows}}.
 
     Raises:
-        ValueError: `src` has rows without a level while a subset is asked for.
+        ValueError: `src` has rows without a level while a subset is asked for, or fewer rows of a
+            level than `by_level` asks for.
     """
     lines = [ln for ln in src.read_text().splitlines() if ln.strip()]
     rows = [json.loads(ln) for ln in lines]
     levels = [str((r.get("extra_info") or {}).get("level")) for r in rows]
-    if size <= 0 or size >= len(rows):
+    if not by_level and (size <= 0 or size >= len(rows)):
         keep = list(range(len(rows)))
     else:
         if "None" in levels:
@@ -138,25 +141,32 @@ def make_pool(size: int, out: Path, src: Path = TRAIN_JSONL, *, write: bool = Tr
         counts: dict[str, int] = {}
         for lv in levels:
             counts[lv] = counts.get(lv, 0) + 1
-        quota = {lv: size * c / len(rows) for lv, c in counts.items()}
-        alloc = {lv: int(q) for lv, q in quota.items()}
-        for lv in sorted(quota, key=lambda k: (-(quota[k] - alloc[k]), k))[: size - sum(alloc.values())]:
-            alloc[lv] += 1
+        if by_level:
+            alloc = {str(lv): int(c) for lv, c in by_level.items()}
+            short = {lv: c for lv, c in alloc.items() if c > counts.get(lv, 0)}
+            if short:
+                raise ValueError(f"{src}: pool asks for {short} rows of levels that have only "
+                                 f"{ {lv: counts.get(lv, 0) for lv in short} }")
+        else:
+            quota = {lv: size * c / len(rows) for lv, c in counts.items()}
+            alloc = {lv: int(q) for lv, q in quota.items()}
+            for lv in sorted(quota, key=lambda k: (-(quota[k] - alloc[k]), k))[: size - sum(alloc.values())]:
+                alloc[lv] += 1
         taken: dict[str, int] = {}
         keep = []
         for i, lv in enumerate(levels):
-            if taken.get(lv, 0) < alloc[lv]:
+            if taken.get(lv, 0) < alloc.get(lv, 0):
                 taken[lv] = taken.get(lv, 0) + 1
                 keep.append(i)
     text = "".join(lines[i] + "\n" for i in keep)
     if write and (not out.is_file() or out.read_text() != text):
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text)
-    by_level: dict[str, int] = {}
+    got: dict[str, int] = {}
     for i in keep:
-        by_level[levels[i]] = by_level.get(levels[i], 0) + 1
+        got[levels[i]] = got.get(levels[i], 0) + 1
     return {"path": str(out), "size": len(keep), "source": str(src.relative_to(ROOT)),
-            "by_level": dict(sorted(by_level.items()))}
+            "by_level": dict(sorted(got.items()))}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -444,6 +444,12 @@ class EvalConfig:
     """Evaluate the trained policy after the last step (summary.json eval_after). Default true."""
     interval: int = 0
     """Evaluate every this many steps; 0 = only before/after."""
+    token_interval: int = 0
+    """Evaluate after the first step whose running total of generated tokens
+    (`perf/total_generated_tokens`) reaches each multiple of this many tokens (one evaluation when a
+    step crosses several), so that runs of different step sizes are compared at the same token
+    counts; with `trainer.max_generated_tokens` a multiple of it, the final evaluation is the last
+    such point. Combines with `interval`. Tokens, >= 0. Default 0 = off."""
     n: int = 8
     """Samples a problem for avg@n / pass@n."""
     temperature: float = 1.0
@@ -457,6 +463,15 @@ class EvalConfig:
     max_response_length: Optional[int] = None
     """Default: data.max_response_length."""
 
+    def due(self, step: int, tokens_before: int, tokens_after: int) -> bool:
+        """A periodic evaluation after `step`, whose generated tokens took the running total from
+        `tokens_before` to `tokens_after`: every `interval` steps, or when a multiple of
+        `token_interval` is crossed (tokens_before < m * token_interval <= tokens_after)."""
+        if self.interval and step % self.interval == 0:
+            return True
+        t = self.token_interval
+        return bool(t) and tokens_after // t > tokens_before // t
+
     def __post_init__(self) -> None:
         _positive("eval", "n", self.n)
         _positive("eval", "temperature", self.temperature, allow_zero=True)
@@ -464,6 +479,7 @@ class EvalConfig:
             raise ConfigError(f"eval.top_p: {self.top_p!r} must be in (0, 1]")
         _positive("eval", "max_response_length", self.max_response_length)
         _positive("eval", "interval", self.interval, allow_zero=True)
+        _positive("eval", "token_interval", self.token_interval, allow_zero=True)
         _positive("eval", "max_problems", self.max_problems, allow_zero=True)
 
 

@@ -121,10 +121,11 @@ def _train(run, stop: ExitSignal, stack: contextlib.ExitStack) -> dict:
         t_step = time.perf_counter()
         produced, batch = _produce(run, step)
         times = _train_step(run, batch, produced, t_step)
+        tokens_before = run.total_tokens  # every rank's: broadcast after each step when counted
         run.total_tokens += produced.generated_tokens if produced is not None else 0
         last = step == end or _budget_reached(run)
         ev = {}  # a periodic evaluation, not at the last step (the final one follows)
-        if cfg.eval.interval and step % cfg.eval.interval == 0 and not last and cfg.data.val_files:
+        if cfg.eval.due(step, tokens_before, run.total_tokens) and not last and cfg.data.val_files:
             ev = _evaluate(run, f"eval_step{step}")
         if run.is_controller:
             _record(run, step, produced, batch, times, progress, ev)
@@ -142,12 +143,13 @@ def _train(run, stop: ExitSignal, stack: contextlib.ExitStack) -> dict:
 
 def _budget_reached(run) -> bool:
     """`trainer.max_generated_tokens` reached after this step. Only the controller counts tokens:
-    it broadcasts its running total, so every rank takes the same decision (and logs the same total)."""
+    it broadcasts its running total (also for `eval.token_interval`), so every rank takes the same
+    decisions (and logs the same total)."""
     budget = run.cfg.trainer.max_generated_tokens
-    if not budget:
+    if not (budget or run.cfg.eval.token_interval):
         return False
     run.total_tokens = broadcast_object(run.total_tokens, src=0, world_size=run.pgs.world_size)
-    if run.total_tokens >= budget:
+    if budget and run.total_tokens >= budget:
         logger.info("%d generated tokens >= trainer.max_generated_tokens %d: this step is the last",
                     run.total_tokens, budget)
         return True

@@ -3,10 +3,10 @@ the config restructuring (fixtures/example_configs_resolved.json, written by the
 3e087e5): options moved into registered dataclasses keep their keys, defaults and spellings.
 Changed since on purpose (issue 19): `algorithm.daa` gained `amplification` and `history_decay`, and
 its defaults and the DA3PO recipes became the paper's rule (`factor: constant`, `difficulty: group`);
-`trainer.max_generated_tokens` (default 0) is new; `rollout.vllm_python` and `rollout.vllm_extra_args`
-are new (issue 18); `trainer.max_staleness` (default 0), `algorithm.rollout_correction.*` (mode auto:
-no correction unless actor.tis or trainer.max_staleness asks) and `actor.old_logprob_source`
-(recompute) are new (issue 16).
+`trainer.max_generated_tokens` and `eval.token_interval` (default 0) are new; `rollout.vllm_python` and
+`rollout.vllm_extra_args` are new (issue 18); `trainer.max_staleness` (default 0),
+`algorithm.rollout_correction.*` (mode auto: no correction unless actor.tis or trainer.max_staleness
+asks) and `actor.old_logprob_source` (recompute) are new (issue 16).
 Added since: `examples/qwen2.5-32b/dapo-vllm.yaml` (issue 18), recorded with `_resolved` below; it
 must stay dapo.yaml with vLLM engines (`test_dapo_vllm_is_dapo_with_vllm_engines`)."""
 

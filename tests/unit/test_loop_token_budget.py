@@ -153,3 +153,49 @@ def test_config_key():
     assert load_config(None, BASE).trainer.max_generated_tokens == 0
     with pytest.raises(ValueError, match=r"trainer.max_generated_tokens: -1 must be >= 0"):
         load_config(None, BASE + ["trainer.max_generated_tokens=-1"])
+
+
+# `eval.token_interval`: periodic evaluations at the first step whose running total crosses each
+# multiple (running totals 1000, 2500, 3700, 4600, 5700, 7000)
+
+
+def test_token_interval_evaluates_at_the_first_step_crossing_each_multiple(tmp_path, stubbed):
+    # multiples of 1200: 1200 and 2400 both crossed by step 2 (one evaluation), 3600 by step 3,
+    # 4800 by step 5; 6000 by step 6, the last step: its evaluation is the final one
+    summary = _train(_run(tmp_path, ["eval.interval=0", "eval.token_interval=1200"]))
+    assert stubbed["evals"] == ["eval_before", "eval_step2", "eval_step3", "eval_step5", "eval_after"]
+    assert stubbed["records"] == [(1, False), (2, True), (3, True), (4, False), (5, True), (6, False)]
+    assert summary["steps"] == 6
+
+
+def test_token_interval_with_a_budget_of_a_multiple_and_with_interval(tmp_path, stubbed):
+    # budget 5 x 1000: multiples 1000 (step 1), 2000 (step 2), 3000 (step 3), 4000 (step 4); 5000
+    # is reached at step 5, the last step (the final evaluation is the fifth point)
+    summary = _train(_run(tmp_path, ["eval.interval=0", "eval.token_interval=1000", "trainer.max_generated_tokens=5000"]))
+    assert stubbed["evals"] == ["eval_before", "eval_step1", "eval_step2", "eval_step3", "eval_step4", "eval_after"]
+    assert summary["steps"] == 5 and summary["total_generated_tokens"] == 5700
+    # with eval.interval: either rule, one evaluation a step (step 4 is due under both)
+    stubbed["evals"].clear()
+    _train(_run(tmp_path, ["eval.interval=4", "eval.token_interval=2000"]))
+    assert stubbed["evals"] == ["eval_before", "eval_step2", "eval_step4", "eval_after"]
+
+
+def test_token_interval_broadcasts_the_running_total(tmp_path, stubbed, monkeypatch):
+    # without a budget the total is still broadcast every step, so every rank decides alike
+    sent = []
+    monkeypatch.setattr(loop, "broadcast_object", lambda obj, src, world_size: sent.append(obj) or obj)
+    _train(_run(tmp_path, ["eval.interval=0", "eval.token_interval=2000"]))
+    assert sent == [1000, 2500, 3700, 4600, 5700]  # not after step 6: the last step needs no decision
+    sent.clear()
+    _train(_run(tmp_path, ["eval.interval=2"]))  # neither budget nor token interval: no collective
+    assert sent == []
+
+
+def test_eval_due_and_token_interval_key():
+    ev = load_config(None, BASE + ["eval.token_interval=100"]).eval
+    assert [ev.due(1, a, b) for a, b in ((0, 99), (0, 100), (99, 100), (100, 199), (150, 450))] == [
+        False, True, True, False, True]
+    assert load_config(None, BASE).eval.token_interval == 0
+    assert not load_config(None, BASE).eval.due(3, 0, 10**9)
+    with pytest.raises(ValueError, match=r"eval.token_interval: -5 must be >= 0"):
+        load_config(None, BASE + ["eval.token_interval=-5"])
