@@ -251,10 +251,12 @@ def _evaluate(run, tag: str) -> dict:
     cfg, res = run.cfg, {}
     try:
         if run.val_rows:
-            logger.info("eval %s: %d problems x %d samples + greedy ...", tag, len(run.val_rows), cfg.eval.n)
+            logger.info("eval %s: %d problems x %d samples + greedy on weight version %d ...", tag,
+                        len(run.val_rows), cfg.eval.n, run.weight_version)
             res = evaluate(run.producer.manager, run.val_rows, n=cfg.eval.n, temperature=cfg.eval.temperature,
                            top_p=cfg.eval.top_p, seed=cfg.eval.seed,
                            max_new_tokens=cfg.eval.max_response_length or cfg.data.max_response_length, tag=tag)
+            res["weight_version"] = run.weight_version  # the published weights it ran on (summary.json)
             logger.info("eval %s: %s", tag, {k: round(v, 4) for k, v in res.items() if isinstance(v, float)})
     except Exception as e:
         send_to_ranks(ControllerFailed(f"{type(e).__name__}: {e}"), run.pgs)

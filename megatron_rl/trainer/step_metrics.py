@@ -75,7 +75,8 @@ def staleness_metrics(produced: ProducedStep, trained_version: int) -> dict:
     `weight_version_spans` [(version, first token index), ...] as the engine reported them, else
     the version published when the step's generation started (`produced.start_version`; the
     synchronous step: `trained_version`). `train/stale_discarded`: samples dropped for staleness,
-    0 by construction (admission control, not discard; case N03)."""
+    0 by construction (admission control, not discard; case N03). `rollout/weight_version_start`:
+    the version published when the step's generation started."""
     start = getattr(produced, "start_version", None)
     fallback = trained_version if start is None else start
     ages = []
@@ -84,7 +85,8 @@ def staleness_metrics(produced: ProducedStep, trained_version: int) -> dict:
         versions = [v for v in versions if v is not None]
         ages.append(trained_version - (min(versions) if versions else fallback))
     return {"train/staleness_mean": sum(ages) / len(ages) if ages else 0.0,
-            "train/staleness_max": max(ages) if ages else 0, "train/stale_discarded": 0}
+            "train/staleness_max": max(ages) if ages else 0, "train/stale_discarded": 0,
+            "rollout/weight_version_start": fallback}
 
 
 def step_metrics(produced: ProducedStep, batch, history: list[dict], times: dict[str, float],
