@@ -95,6 +95,8 @@ class VanillaOptions(Options):
         if self.clip_ratio_c <= 1.0:
             raise ConfigError(f"actor.clip_ratio_c: {self.clip_ratio_c!r} must be > 1 (dual-clip)")
         check_positive("actor.clip_ratio_low", self.clip_ratio_low)
+        if self.clip_ratio_low >= 1.0:  # 1 - eps_low <= 0 would clip nothing from below
+            raise ConfigError(f"actor.clip_ratio_low: {self.clip_ratio_low!r} must be in (0, 1)")
         check_positive("actor.clip_ratio_high", self.clip_ratio_high)
 
 

@@ -84,7 +84,9 @@ class ExitSignal:
         """True on every rank when any rank got a signal (a MAX all-reduce when world size > 1)."""
         flag = self.signal_name is not None
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            t = torch.tensor([int(flag)])
+            # NCCL reduces only device tensors; gloo only host ones
+            cuda = torch.distributed.get_backend() == "nccl"
+            t = torch.tensor([int(flag)], device=torch.device("cuda", torch.cuda.current_device()) if cuda else "cpu")
             torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
             flag = bool(t.item())
             if flag and self.signal_name is None:

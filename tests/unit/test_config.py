@@ -124,6 +124,9 @@ def test_cross_section_checks():
     # B08: clip_ratio_c must be > 1
     with pytest.raises(ValueError, match="clip_ratio_c"):
         load_config(None, BASE + ["actor.clip_ratio_c=1.0"])
+    # eps_low >= 1 would make the lower clip bound 1 - eps_low <= 0
+    with pytest.raises(ValueError, match=r"actor.clip_ratio_low: 1.5 must be in \(0, 1\)"):
+        load_config(None, BASE + ["actor.clip_ratio_low=1.5"])
     with pytest.raises(ValueError, match="daa.enable needs a group-relative"):
         load_config(None, BASE + ["algorithm.daa.enable=true", "algorithm.adv_estimator=reinforce_plus_plus_baseline"])
     with pytest.raises(ValueError, match="gspo"):
