@@ -281,7 +281,9 @@ def _sender_factory(cfg: Config, engines):
         return WeightSyncSender(clients, master_address=ws.master_address,
                                 master_port=ws.master_port if group_name == "weight_update_group" else None,
                                 backend=ws.backend, group_name=group_name, bucket_size_mib=ws.bucket_size_mib,
-                                timeout_s=ws.timeout_s, load_format=ws.load_format)
+                                timeout_s=ws.timeout_s, load_format=ws.load_format,
+                                # a real vLLM server: its own NCCL group (the vllm-embedded stand-in: torch gloo)
+                                transport="vllm-nccl" if r.backend == "vllm" else "torch")
 
     return make
 

@@ -1,7 +1,10 @@
 """Trainer side of the weight sync: push HF-named tensors to rollout servers by broadcast.
 
 The trainer rank that holds the full HF-named weights is rank 0 of a private process group
-(``weight_sync.group``, SGLang's recipe) whose other ranks are the servers' TP workers. One
+(``weight_sync.group``, SGLang's recipe; transport ``torch``) whose other ranks are the servers' TP
+workers; against vLLM servers (transport ``vllm-nccl``) it is rank 0 of vLLM's own NCCL group
+instead (``weight_sync.vllm_nccl``: a ``StatelessProcessGroup`` store and a ctypes NCCL
+communicator, one broadcast per tensor), with the same HTTP calls around it. One
 sync follows DESIGN.md step 7 and SGLANG_API.md: pause generation (abort), open the update
 session, then per bucket post ``/update_weights_from_distributed`` to every server from a
 thread while broadcasting the bucket's tensors (one broadcast each, ``load_format`` null, or one
@@ -95,6 +98,9 @@ class WeightSyncSender:
             ``"flattened_bucket"`` (one broadcast of one uint8 tensor a bucket: the tensors are
             copied into it) or None (one broadcast per tensor, in the bucket's order: no copy on
             this side, one collective call per tensor; what slime does).
+        transport: ``"torch"`` (a torch process group of ``backend``: SGLang, the embedded server
+            and its vLLM-dialect stand-in) or ``"vllm-nccl"`` (vLLM's own NCCL group,
+            ``weight_sync.vllm_nccl``: a CUDA GPU here, ``backend="nccl"``, ``load_format=None``).
 
     Call ``init_group()`` once (and again after a server restart or a ``group_broken`` error),
     ``sync(...)`` after every optimizer step, ``destroy()`` at exit. With several sending ranks
@@ -113,6 +119,7 @@ class WeightSyncSender:
         timeout_s: float = 600.0,
         dtype: torch.dtype | None = None,
         load_format: str | None = None,
+        transport: str = "torch",
     ) -> None:
         if not clients:
             raise ValueError("WeightSyncSender needs at least one rollout client")
@@ -120,6 +127,12 @@ class WeightSyncSender:
             raise ValueError(f"bucket_size_mib and timeout_s must be > 0, got {bucket_size_mib}, {timeout_s}")
         if load_format not in (None, "flattened_bucket"):
             raise ValueError(f"load_format must be 'flattened_bucket' or None, got {load_format!r}")
+        if transport not in ("torch", "vllm-nccl"):
+            raise ValueError(f"transport must be 'torch' or 'vllm-nccl', got {transport!r}")
+        if transport == "vllm-nccl" and (backend != "nccl" or load_format is not None):
+            raise ValueError("transport 'vllm-nccl' is vLLM's NCCL group: it needs backend='nccl' and load_format=None "
+                             f"(one broadcast per tensor), got backend={backend!r}, load_format={load_format!r}")
+        self.transport = transport
         self.load_format = load_format
         self.clients = list(clients)
         self.master_address = master_address
@@ -129,7 +142,7 @@ class WeightSyncSender:
         self.bucket_size_mib = bucket_size_mib
         self.timeout_s = timeout_s
         self.dtype = dtype
-        self._pg: dist.ProcessGroup | None = None
+        self._pg = None  # dist.ProcessGroup (transport torch) or vllm_nccl.VllmNcclGroup
         self._pool = ThreadPoolExecutor(max_workers=len(self.clients) + 2, thread_name_prefix="weight-sync")
 
     @property
@@ -152,6 +165,13 @@ class WeightSyncSender:
         """
         if self._pg is not None:
             raise WeightSyncError("init_group() called twice; call destroy() first")
+        if self.transport == "vllm-nccl":  # fail here, before any engine is asked to join
+            from megatron_rl.weight_sync.vllm_nccl import NcclUnavailableError, preflight
+
+            try:
+                preflight()
+            except NcclUnavailableError as e:
+                raise WeightSyncError(str(e)) from e
         port = self.master_port or find_free_port(self.master_address)
         try:
             tp_sizes = [int(t) for t in self._all(lambda c: c.tp_size())]
@@ -195,8 +215,16 @@ class WeightSyncSender:
         # nor hold one of the pool's workers
         join: Future = Future()
 
+        device = torch.cuda.current_device() if self.transport == "vllm-nccl" else None  # this thread's
+
         def rendezvous() -> None:
             try:
+                if self.transport == "vllm-nccl":
+                    from megatron_rl.weight_sync.vllm_nccl import VllmNcclGroup
+
+                    join.set_result(VllmNcclGroup.join(self.master_address, port, world_size,
+                                                       timeout_s=self.timeout_s, device=device))
+                    return
                 join.set_result(init_custom_process_group(
                     backend=self.backend, host=self.master_address, port=port, world_size=world_size, rank=0,
                     group_name=self.group_name, timeout_s=self.timeout_s))
@@ -355,7 +383,9 @@ class WeightSyncSender:
                     for c in self.clients
                 ]
                 tb = time.perf_counter()
-                if flatten:
+                if self.transport == "vllm-nccl":  # one ncclBroadcast per tensor, in the posted order
+                    work = self._pg.broadcast(flat)
+                elif flatten:
                     work = dist.broadcast(flat, src=0, group=self._pg, async_op=True)
                 else:  # one collective per tensor, in list order
                     work = _AllWorks([dist.broadcast(t, src=0, group=self._pg, async_op=True) for t in flat])
@@ -428,7 +458,10 @@ class WeightSyncSender:
             except RolloutServerError as e:
                 logger.warning("destroy_weights_update_group on %s: %s", c.base_url, e)
         try:
-            destroy_custom_process_group(pg)
+            if self.transport == "vllm-nccl":
+                pg.destroy()
+            else:
+                destroy_custom_process_group(pg)
         except Exception as e:  # noqa: BLE001 - a group whose peer died may not tear down cleanly
             logger.warning("destroying the local side of weight-update group %r: %s", self.group_name, e)
 
