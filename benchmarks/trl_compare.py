@@ -130,6 +130,74 @@ def _load_metrics(run_dir: Path) -> list[dict]:
     return [r for r in rows if "timing/step_s" in r]
 
 
+IDLE_LOAD_PER_CPU = 1.25
+"""A run counts as idle when its load average never exceeded this many per CPU (2.5 on the 2-core
+machine of issue 22): only such a run may write the README's table."""
+
+
+class LoadMonitor:
+    """Samples the 1-minute load average every `period_s` seconds on a thread while in a `with`
+    block: `max`, `mean` (load average units), `samples`."""
+
+    def __init__(self, period_s: float = 2.0) -> None:
+        import threading
+
+        self.period_s, self.values = period_s, [os.getloadavg()[0]]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.values.append(os.getloadavg()[0])
+
+    def __enter__(self) -> "LoadMonitor":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.values.append(os.getloadavg()[0])
+
+    @property
+    def max(self) -> float:
+        return max(self.values)
+
+    @property
+    def mean(self) -> float:
+        return sum(self.values) / len(self.values)
+
+
+def load_verdict(sides: dict, cpus: int) -> tuple[bool, str]:
+    """(idle, why): whether every side's sampled load average stayed <= IDLE_LOAD_PER_CPU x `cpus`.
+    A side without samples (an older `--reuse` side file) is not idle."""
+    limit = IDLE_LOAD_PER_CPU * cpus
+    worst = {name: side.get("loadavg_max") for name, side in sides.items()}
+    unknown = [n for n, v in worst.items() if v is None]
+    if unknown:
+        return False, f"no load samples for {', '.join(unknown)} (rerun without --reuse)"
+    over = {n: v for n, v in worst.items() if v > limit}
+    if over:
+        return False, "load average reached " + ", ".join(f"{v:.1f} ({n})" for n, v in over.items()) + \
+            f" > {limit:.1f} ({IDLE_LOAD_PER_CPU} x {cpus} CPUs)"
+    return True, f"load average <= {max(worst.values()):.1f} (limit {limit:.1f})"
+
+
+def readme_table(result: dict) -> str:
+    """The README's comparison table (markdown) from a result dict."""
+    m, t, r = result["megatron_rl"], result["trl"], result["ratio_megatron_rl_over_trl"]
+    rows = [("RL steps / min", f"{m['rl_steps_per_min']:.1f}", f"{t['rl_steps_per_min']:.1f}", f"{r['rl_steps_per_min']:.2f}x"),
+            ("generated tokens / s", f"{m['generated_tokens_per_s']:.0f}", f"{t['generated_tokens_per_s']:.0f}",
+             f"{r['generated_tokens_per_s']:.2f}x"),
+            ("median step s", f"{m['median_step_s']:.2f}", f"{t['median_step_s']:.2f}", "")]
+    n = result["eval_settings"]["n"]
+    for key in (f"avg@{n}", f"pass@{n}"):
+        if result["eval"]:
+            rows.append((f"held-out {key}", f"{result['eval']['megatron-rl'][key]:.3f}", f"{result['eval']['trl'][key]:.3f}", ""))
+    lines = ["| | megatron-rl | TRL | ratio |", "|---|---|---|---|"] + ["| " + " | ".join(x) + " |" for x in rows]
+    return "\n".join(lines) + "\n"
+
+
 def run_megatron(work: Path, steps: int, seed: int, responses_per_step: int, log) -> dict:
     """Train the grpo recipe for `steps` RL steps; returns per-step timings and tokens (also saved
     as `work/megatron-rl.side.json` for `--reuse`)."""
@@ -142,12 +210,13 @@ def run_megatron(work: Path, steps: int, seed: int, responses_per_step: int, log
            "eval.before_train=false", "eval.after_train=false"]
     load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
-    with open(work / "megatron-rl.log", "w") as fh:
+    with open(work / "megatron-rl.log", "w") as fh, LoadMonitor() as load:
         r = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO)
     wall = time.perf_counter() - t0
     if r.returncode:
         raise SystemExit(f"megatron-rl train failed (exit {r.returncode}); log: {work / 'megatron-rl.log'}")
     side = summarise_megatron_run(run_dir, wall, load0, os.getloadavg()[0], responses_per_step)
+    side.update(loadavg_max=load.max, loadavg_mean=load.mean)
     (work / "megatron-rl.side.json").write_text(json.dumps(side, indent=2))
     log(f"megatron-rl: {side['rl_steps']} steps, {side['train_s']:.1f} s of steps, {wall:.1f} s in all")
     return side
@@ -183,13 +252,14 @@ def run_trl(py: Path, work: Path, budget_s: float, max_rl_steps: int, seed: int,
     load0 = os.getloadavg()[0]
     t0 = time.perf_counter()
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
-    with open(work / "trl.log", "w") as fh:
+    with open(work / "trl.log", "w") as fh, LoadMonitor() as load:
         r = subprocess.run([str(py), str(REPO / "benchmarks" / "trl_worker.py"), str(out / "spec.json")],
                            stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, env=env)
     wall = time.perf_counter() - t0
     if r.returncode:
         raise SystemExit(f"TRL run failed (exit {r.returncode}); log: {work / 'trl.log'}")
     side = summarise_trl_run(out, wall, load0, os.getloadavg()[0])
+    side.update(loadavg_max=load.max, loadavg_mean=load.mean)
     (work / "trl.side.json").write_text(json.dumps(side, indent=2))
     log(f"TRL: {side['rl_steps']} steps, {side['train_s']:.1f} s of steps, {wall:.1f} s in all")
     return side
@@ -276,6 +346,9 @@ def main() -> None:
     ap.add_argument("--reuse", action="store_true",
                     help="reuse the finished runs and evaluations already in --work-dir (re-evaluate, re-tabulate)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "trl_compare.json")
+    ap.add_argument("--table", type=Path, default=REPO / "benchmarks" / "results" / "trl_compare_table.md",
+                    help="the README's markdown table, written only when the load average stayed <= "
+                         f"{IDLE_LOAD_PER_CPU} per CPU during both runs")
     args = ap.parse_args()
     if args.steps < 1:
         ap.error("--steps must be >= 1")
@@ -341,8 +414,16 @@ def main() -> None:
         result["warnings"].append(
             f"only {min(mrl['rl_steps'], trl['rl_steps'])} RL step(s) on one side: the first step's warm-up "
             "dominates the rate, so the ratio is not representative; use --steps 12 (the default) or more")
+    idle, why = load_verdict({"megatron-rl": mrl, "trl": trl}, os.cpu_count() or 1)
+    result["idle"], result["load_verdict"] = idle, why
+    if not idle:
+        result["warnings"].append(f"not an idle machine ({why}): the README table was not written; the JSON "
+                                  "still records this run")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
+    if idle and args.table is not None:
+        args.table.write_text(readme_table(result))
+        log(f"README table ({why}): {args.table}")
 
     n = args.eval_n
     print()

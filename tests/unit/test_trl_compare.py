@@ -57,3 +57,30 @@ def test_rates(tc):
     assert s["generated_tokens_per_s"] == pytest.approx(100.0)
     assert s["responses_per_s"] == pytest.approx(6.4)
     assert s["median_step_s"] == 20.0
+
+
+def test_load_guard_refuses_the_readme_table_above_2_5_on_2_cpus(tc):
+    # issue 22: on the 2-core machine a run counts as idle only if its load average stayed <= 2.5
+    idle, why = tc.load_verdict({"megatron-rl": {"loadavg_max": 1.9}, "trl": {"loadavg_max": 2.5}}, 2)
+    assert idle and "limit 2.5" in why
+    idle, why = tc.load_verdict({"megatron-rl": {"loadavg_max": 2.6}, "trl": {"loadavg_max": 1.0}}, 2)
+    assert not idle and "2.6 (megatron-rl) > 2.5" in why
+    idle, why = tc.load_verdict({"megatron-rl": {"loadavg_max": 1.0}, "trl": {}}, 2)  # an old --reuse side file
+    assert not idle and "no load samples for trl" in why
+
+
+def test_load_monitor_samples_while_running(tc):
+    import time
+
+    with tc.LoadMonitor(period_s=0.01) as load:
+        time.sleep(0.1)
+    assert len(load.values) >= 3 and load.max >= load.mean >= 0
+
+
+def test_readme_table(tc):
+    side = {"rl_steps_per_min": 60.0, "generated_tokens_per_s": 3000.0, "median_step_s": 1.0}
+    result = {"megatron_rl": side, "trl": {**side, "rl_steps_per_min": 50.0},
+              "ratio_megatron_rl_over_trl": {"rl_steps_per_min": 1.2, "generated_tokens_per_s": 1.0},
+              "eval_settings": {"n": 8}, "eval": {}}
+    table = tc.readme_table(result)
+    assert "| RL steps / min | 60.0 | 50.0 | 1.20x |" in table
