@@ -86,6 +86,11 @@ def check_colocate(cfg: Config, hf: Optional[dict[str, Any]] = None) -> None:
     if r.backend not in COLOCATED_BACKENDS:
         raise ConfigError(f"rollout.colocate: true with rollout.backend={r.backend}: colocated mode needs the "
                           f"release / resume / update_weights_from_tensor endpoints ({', '.join(COLOCATED_BACKENDS)})")
+    if t.pipeline_model_parallel_size > 1:
+        raise ConfigError(f"rollout.colocate: true with trainer.pipeline_model_parallel_size "
+                          f"{t.pipeline_model_parallel_size}: the engines accept IPC handles only from the process "
+                          "tree of the trainer rank that launched them (rank 0), and each pipeline stage would send "
+                          "its own; use pipeline_model_parallel_size 1")
     devices = t.nproc_per_node
     if devices % r.tp_size:
         raise ConfigError(f"rollout.tp_size {r.tp_size} must divide trainer.nproc_per_node {devices} with "
