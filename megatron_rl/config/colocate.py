@@ -53,17 +53,14 @@ def dtype_bytes(cfg: Config) -> int:
     return 2 if cfg.trainer.precision == "bf16" else 4
 
 
-def device_memory_gib(cfg: Config) -> float:
-    """Memory of one device, GiB: the first GPU's total memory when `trainer.distributed_backend`
-    is nccl and CUDA is available; otherwise the host's physical RAM / `trainer.nproc_per_node`."""
+def device_memory_gib(cfg: Config) -> Optional[float]:
+    """Memory of one device, GiB: with `trainer.distributed_backend: nccl` the first GPU's total
+    memory, or None when no GPU is visible (a dry run on a login node: not checked); otherwise the
+    host's physical RAM / `trainer.nproc_per_node`."""
     if cfg.trainer.distributed_backend == "nccl":
-        try:
-            import torch
+        import torch
 
-            if torch.cuda.is_available():
-                return torch.cuda.get_device_properties(0).total_memory / GIB
-        except ImportError:  # pragma: no cover - torch is a dependency
-            pass
+        return torch.cuda.get_device_properties(0).total_memory / GIB if torch.cuda.is_available() else None
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return ram / GIB / max(cfg.trainer.nproc_per_node, 1)
 
@@ -107,8 +104,11 @@ def check_colocate(cfg: Config, hf: Optional[dict[str, Any]] = None) -> None:
     params = estimate_params(hf)
     if params is None:
         return
+    device = device_memory_gib(cfg)
+    if device is None:
+        return
     need = params * dtype_bytes(cfg) / r.tp_size / GIB
-    have = r.mem_fraction_static * device_memory_gib(cfg)
+    have = r.mem_fraction_static * device
     if need >= have:
         raise ConfigError(f"rollout.mem_fraction_static {r.mem_fraction_static} x {have / r.mem_fraction_static:.2f} "
                           f"GiB per device = {have:.2f} GiB cannot hold the engine's weights: model.path has "

@@ -167,10 +167,14 @@ class ColocatedWeightSender:
         bucket_size_mib: bytes per bucket (one reusable buffer of this size).
         timeout_s: timeout of each HTTP call, seconds.
         dtype: the engines' weight dtype; None reads `/model_info`.
+        keep_buffer: keep the bucket buffer between updates (freed at `close`): no fresh pages to
+            fault in per update, but a bucket-sized segment stays alive between updates. Default
+            False: nothing the trainer created outlives an update (CASES.md N12).
     """
 
     def __init__(self, clients: list["RolloutClient"], *, memory: Optional[EngineMemory] = None,
-                 bucket_size_mib: float = 512.0, timeout_s: float = 600.0, dtype: torch.dtype | None = None) -> None:
+                 bucket_size_mib: float = 512.0, timeout_s: float = 600.0, dtype: torch.dtype | None = None,
+                 keep_buffer: bool = False) -> None:
         if not clients:
             raise ValueError("ColocatedWeightSender needs at least one rollout client")
         self.clients = list(clients)
@@ -180,6 +184,8 @@ class ColocatedWeightSender:
         self.dtype = dtype
         self._ready = False
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.keep_buffer = keep_buffer
+        self._kept: Optional[ColocatedSender] = None
 
     @property
     def initialized(self) -> bool:
@@ -216,7 +222,9 @@ class ColocatedWeightSender:
             WeightSyncError: no tensors, or an engine refused a bucket.
         """
         t_all = time.perf_counter()
-        sender = ColocatedSender(int(self.bucket_size_mib * 2**20), self.device)
+        sender = self._kept or ColocatedSender(int(self.bucket_size_mib * 2**20), self.device)
+        if self.keep_buffer:
+            self._kept = sender
         stats = dict.fromkeys(("bytes", "num_buckets", "num_tensors", "broadcast_time_s", "prepare_time_s",
                                "load_time_s"), 0.0)
         try:
@@ -245,7 +253,10 @@ class ColocatedWeightSender:
         except (ValueError, TypeError) as e:  # bad input from the tensor iterable
             raise WeightSyncError(f"cannot hand the weights over: {type(e).__name__}: {e}") from e
         finally:
-            sender.close()
+            if self.keep_buffer:
+                sender.after_bucket()
+            else:
+                sender.close()
         logger.info("colocated hand-over: %d tensors, %.1f MiB in %.3f s", stats["num_tensors"],
                     stats["bytes"] / 2**20, time.perf_counter() - t_all)
         return stats
@@ -292,8 +303,11 @@ class ColocatedWeightSender:
         return WeightSyncSender.check_checksums(self, expected)  # type: ignore[arg-type]
 
     def destroy(self) -> None:
-        """Nothing to tear down (no process group)."""
+        """No process group to tear down; frees a kept buffer."""
         self._ready = False
+        if self._kept is not None:
+            self._kept.close()
+            self._kept = None
 
     def close(self) -> None:
         """As `destroy`."""

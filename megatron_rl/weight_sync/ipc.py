@@ -409,7 +409,7 @@ class ColocatedSender:
         _, used = bucket_layout(named)
         if self._buffer is None or self._buffer.numel() < used:
             self._buffer = None
-            self._buffer = torch.empty(max(self.bucket_bytes, used), dtype=torch.uint8, device=self.device)
+            self._buffer = _new_buffer(max(self.bucket_bytes, used), self.device)
         metas = pack_bucket(named, self._buffer)
         return serialize_named_tensors({"flattened_tensor": self._buffer[:used], "metadata": _wire_metadata(metas)})
 
@@ -422,6 +422,20 @@ class ColocatedSender:
         """Free the buffer (its shared-memory segment is unlinked once the receiver dropped it)."""
         self._buffer = None
         self.after_bucket()
+
+
+def _new_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 buffer of `nbytes`: on CPU allocated straight in shared memory (`file_system`
+    strategy), so that serialising it does not copy it there (`share_memory_` would); on CUDA a
+    plain device tensor (its IPC handle is taken when serialised)."""
+    if device.type != "cpu":  # pragma: no cover - GPU only
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    try:
+        with _file_system_strategy():
+            storage = torch.UntypedStorage._new_shared(nbytes)
+        return torch.empty(0, dtype=torch.uint8).set_(storage)
+    except (AttributeError, RuntimeError):  # a torch without _new_shared: shared on first serialisation
+        return torch.empty(nbytes, dtype=torch.uint8)
 
 
 def _wire_metadata(metas: list[FlattenedTensorMetadata]) -> list[Any]:
