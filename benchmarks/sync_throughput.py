@@ -203,7 +203,7 @@ def part_colocated(bucket_mib: float, repeats: int) -> dict:
             "handover_time_s": best, "handover_gb_per_s": nbytes / 1e9 / best, "copy_time_s": copy,
             "copy_gb_per_s": nbytes / 1e9 / copy, "ratio_to_copy": copy / best,
             "kept_buffer_time_s": kept, "kept_buffer_gb_per_s": nbytes / 1e9 / kept, "kept_ratio_to_copy": copy / kept,
-            "broadcast_gb_per_s": big.get("sync_gb_per_s"), "all_times_s": times}
+            "broadcast_gb_per_s": big.get("sync_gb_per_s"), "all_times_s": times, "load_avg_1m": os.getloadavg()[0]}
 
 
 def part_tiny(repeats: int) -> dict:
