@@ -62,3 +62,14 @@ def test_param_estimate_matches_qwen2_0_5b():
           "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": True, "model_type": "qwen2"}
     assert estimate_params(hf) == 494_032_768
     assert estimate_params({"hidden_size": 8}) is None
+
+
+def test_colocated_sglang_engines_take_their_gpus():
+    from megatron_rl.rollout.engine_set import colocated_engine_args
+
+    cfg = load_config(ROOT / "examples/qwen2.5-7b/dapo-colocate.yaml", ["model.path=/ckpt/x"])
+    args, per = colocated_engine_args(cfg.rollout)
+    assert args.count("--enable-memory-saver") == 1
+    assert per == [["--base-gpu-id", "0"], ["--base-gpu-id", "2"], ["--base-gpu-id", "4"], ["--base-gpu-id", "6"]]
+    plain = load_config(TINY, [])
+    assert colocated_engine_args(plain.rollout) == ([], [])
