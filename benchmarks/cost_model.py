@@ -452,6 +452,51 @@ def run_cost(shape: ModelShape, recipe: RLRecipe, cluster: Cluster, steps: int, 
 
 
 # ----------------------------------------------------------------------------------------------
+# colocated layouts (issue 17)
+# ----------------------------------------------------------------------------------------------
+
+def colocated_memory(shape: ModelShape, layout: TrainLayout, gpu: GPU, eng: RolloutEngine, *,
+                     trainer_residual_gib: float = 4.0, engine_residue_gib: float = 1.5,
+                     bucket_gib: float = 0.5) -> dict:
+    """Memory of one GPU of a colocated node in each phase, GiB (the protocol of DESIGN.md:
+    release -> train -> offload -> resume weights -> IPC update -> resume KV -> generate).
+
+    train: the trainer resident (`memory_per_gpu`) + the released engine's residue (CUDA context,
+    graphs); update: the trainer's residual after offload + the engine's weight shard + one IPC
+    bucket; generate: the residual + the engine's `mem_fraction x GPU` pool (weights + KV).
+    `fits` when every phase is <= the GPU's memory."""
+    train = memory_per_gpu(shape, layout)["total_gib"] + engine_residue_gib
+    weights = shape.total_params() * 2 / eng.tp / GIB
+    update = trainer_residual_gib + weights + bucket_gib
+    generate = trainer_residual_gib + eng.mem_fraction * gpu.memory_gib
+    phases = {"train": train, "update": update, "generate": generate}
+    return {"phases_gib": phases, "peak_gib": max(phases.values()), "fits": max(phases.values()) <= gpu.memory_gib,
+            "engine_weights_gib": weights, "kv_cache_gib": eng.mem_fraction * gpu.memory_gib - weights}
+
+
+def colocated_step_time(shape: ModelShape, recipe: RLRecipe, layout: TrainLayout, nodes: int, *,
+                        gpus_per_node: int = 8, gpu: GPU = H100, engine: RolloutEngine = RolloutEngine(),
+                        train_hfu: float = Cluster.train_hfu, host_gb_s: float = 25.0,
+                        dm: DecodeModel = DecodeModel()) -> dict:
+    """Seconds of one colocated step on `nodes` nodes: every GPU generates, then every GPU trains
+    (`step_time`'s rollout and training terms over the same GPUs), plus the trainer's offload and
+    onload over PCIe (`host_gb_s` per GPU each way: bf16 params + the optimizer's 12 bytes a
+    parameter / DP; gradients are freed, not copied) and the IPC hand-over (the weights copied
+    twice in HBM). No separate rollout nodes, no broadcast."""
+    cl = Cluster(trainer_nodes=nodes, rollout_nodes=nodes, gpus_per_node=gpus_per_node, gpu=gpu,
+                 train_hfu=train_hfu, engine=engine)
+    st = step_time(shape, recipe, cl, dm)
+    p = stage_params(shape, layout)["first"]
+    moved = 2 * p + 12 * p / (layout.dp if layout.distributed_optimizer else 1)
+    offload = 2 * moved / (host_gb_s * 1e9)
+    handover = 2 * shape.total_params() * 2 / engine.tp / (gpu.hbm_tb_s * 1e12)
+    total = st["rollout_s"] + st["logprob_s"] + st["update_s"] + offload + handover
+    return {"rollout_s": st["rollout_s"], "logprob_s": st["logprob_s"], "update_s": st["update_s"],
+            "offload_onload_s": offload, "handover_s": handover, "step_s": total, "gpus": nodes * gpus_per_node,
+            "engines": st["engines"]}
+
+
+# ----------------------------------------------------------------------------------------------
 # the recipes
 # ----------------------------------------------------------------------------------------------
 
@@ -593,9 +638,48 @@ def main() -> None:
           f"{colocated * args.steps / 86400:.1f} days for {args.steps} steps")
     result["dapo_paper_setup_128_h20"] = {"step_s": colocated, "days": colocated * args.steps / 86400,
                                           "rollout_s": rc["rollout_s"], "train_s": rc["logprob_s"] + rc["update_s"]}
+    result["colocated"] = _colocated_section(shape, recipe, recipes[1], args.steps, args.train_hfu)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(f"\nwrote {args.out}")
+
+
+def _colocated_section(shape32: ModelShape, recipe: RLRecipe, dapo: dict, steps: int, hfu: float) -> dict:
+    """Colocated 7B on 1 node (examples/qwen2.5-7b/dapo-colocate.yaml) and 32B on 4 nodes, against
+    the disaggregated 32B DAPO recipe (4 trainer + 4 rollout nodes): memory per phase, step time."""
+    import yaml
+
+    y = yaml.safe_load((REPO / "examples" / "qwen2.5-7b" / "dapo-colocate.yaml").read_text())
+    shape7 = ModelShape.from_hf_config(json.loads((REPO / "examples" / "qwen2.5-7b" / "config.json").read_text()))
+    t, r = y["trainer"], y["rollout"]
+    lay7 = TrainLayout(tp=t["tensor_model_parallel_size"], pp=1, dp=8 // t["tensor_model_parallel_size"],
+                       seq_len=y["data"]["max_prompt_length"] + y["data"]["max_response_length"],
+                       microbatches_per_update=y["actor"]["ppo_mini_batch_size"] * r["n"] // 2)
+    eng7 = RolloutEngine(tp=r["tp_size"], mem_fraction=r["mem_fraction_static"])
+    rec7 = replace(recipe, train_batch=y["data"]["train_batch_size"], gen_batch=y["data"]["gen_batch_size"],
+                   ppo_mini_batch=y["actor"]["ppo_mini_batch_size"])
+    lay32 = replace(dapo["layout"], tp=8, pp=1, dp=4, microbatches_per_update=128)  # PP 1: colocation needs it
+    eng32 = RolloutEngine(tp=4, mem_fraction=0.6)
+    rows = {
+        "7b_1_node_colocated": {"memory": colocated_memory(shape7, lay7, H100, eng7),
+                                "step": colocated_step_time(shape7, rec7, lay7, 1, engine=eng7, train_hfu=hfu)},
+        "32b_4_nodes_colocated": {"memory": colocated_memory(shape32, lay32, H100, eng32),
+                                  "step": colocated_step_time(shape32, recipe, lay32, 4, engine=eng32, train_hfu=hfu)},
+    }
+    dis = run_cost(shape32, recipe, Cluster(train_hfu=hfu, engine=RolloutEngine(tp=dapo["rollout_tp"],
+                                                                                 mem_fraction=dapo["rollout_mem_fraction"])),
+                   steps)
+    rows["32b_disaggregated_4_plus_4"] = {"step": {k: dis[k] for k in ("rollout_s", "logprob_s", "update_s",
+                                                                        "weight_sync_s", "step_s", "gpus")}}
+    print("\nColocated layouts (memory per H100 in each phase, GiB; step minutes; GPU-hours for the run):")
+    for name, row in rows.items():
+        st = row["step"]
+        mem = row.get("memory")
+        phases = ", ".join(f"{k} {v:.1f}" for k, v in mem["phases_gib"].items()) if mem else "(trainer / engine GPUs apart)"
+        row["gpu_hours"] = st["step_s"] * steps / 3600 * st["gpus"]
+        print(f"  {name:28s} {phases:44s} step {st['step_s'] / 60:6.1f} min on {st['gpus']:3d} GPUs, "
+              f"{row['gpu_hours']:8.0f} GPU-hours" + ("" if not mem or mem["fits"] else "  DOES NOT FIT"))
+    return rows
 
 
 if __name__ == "__main__":

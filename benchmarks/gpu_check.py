@@ -15,7 +15,11 @@ code on a tiny shape on CPU instead, so the code is exercised in CI). On one H20
    where N counts the non-embedding weights plus the output projection (standard MFU accounting).
 3. **FP8** (only if Transformer Engine imports): the same update with TE's bf16 layers and then
    with ``fp8=hybrid`` (delayed scaling): step time ratio.
-4. **rollout**: the embedded server (``megatron-rl rollout-server``) on the same shape, saved as
+4. **colocated hand-over** (issue 17): the shape's bf16 weights handed to a second process by
+   ``ColocatedSender`` buckets: CUDA IPC handles on a GPU (``torch.cuda.ipc_collect()`` after each
+   bucket), shared memory in ``--cpu-smoke``; seconds and ``gpu/mem_used_gib`` per bucket. The
+   CUDA path is written against torch's API and has not run yet (no GPU here).
+5. **rollout**: the embedded server (``megatron-rl rollout-server``) on the same shape, saved as
    a Hugging Face folder, generating ``--gen-requests`` x ``--gen-tokens`` tokens (``ignore_eos``);
    and, for reference, Hugging Face ``generate`` of the same model on the GPU in one batch.
 
@@ -221,6 +225,77 @@ def rollout_throughput(cfg: dict, workdir: Path, *, requests: int, new_tokens: i
     return out
 
 
+def _ipc_receiver(conn, shapes: dict, device: str) -> None:
+    """The engine side of `ipc_handover`: parameters of `shapes` on `device`; each payload is decoded
+    with the restricted unpickler (the sender, our parent, is the trusted tree), copied in, dropped."""
+    import os
+
+    import torch
+
+    from megatron_rl.weight_sync.ipc import deserialize_named_tensors, process_tree
+
+    params = {n: torch.empty(s, dtype=torch.bfloat16, device=device) for n, s in shapes.items()}
+    trusted = process_tree(os.getppid())
+    while True:
+        payload = conn.recv()
+        if payload is None:
+            break
+        t0 = time.perf_counter()
+        for name, view in deserialize_named_tensors(payload, trusted_pids=trusted, load_format="flattened_bucket"):
+            params[name].copy_(view)
+        del view
+        if device == "cuda":
+            torch.cuda.synchronize()
+        conn.send(time.perf_counter() - t0)
+
+
+def ipc_handover(cfg: dict, device: str, bucket_mib: float = 256.0) -> dict:
+    """The colocated hand-over (issue 17) of the shape's weights (bf16) to another process:
+    CUDA IPC handles on GPU (`ColocatedSender` with a device bucket, `torch.cuda.ipc_collect()` after
+    each bucket), shared memory on CPU. Seconds and memory (`gpu/mem_used_gib` on GPU) per phase."""
+    import multiprocessing as mproc
+
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from megatron_rl.weight_sync.buckets import bucket_named_tensors
+    from megatron_rl.weight_sync.ipc import ColocatedSender, shared_segments
+
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings")
+    model = Qwen2ForCausalLM(Qwen2Config(**{k: cfg[k] for k in keys})).to(torch.bfloat16).to(device)
+    named = [(n, t.detach()) for n, t in model.state_dict().items() if n != "lm_head.weight"]
+    mem = (lambda: torch.cuda.device_memory_used() / 2**30) if device == "cuda" else (lambda: 0.0)
+    ctx = mproc.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_ipc_receiver, args=(child, {n: list(t.shape) for n, t in named}, device))
+    proc.start()
+    out: dict = {"device": device, "bytes": sum(t.numel() * t.element_size() for _, t in named), "phases": []}
+    try:
+        sender = ColocatedSender(int(bucket_mib * 2**20), device)
+        t_all = time.perf_counter()
+        for i, bucket in enumerate(bucket_named_tensors(iter(named), bucket_mib)):
+            m0, t0 = mem(), time.perf_counter()
+            payload = sender.payload(bucket)
+            t1 = time.perf_counter()
+            parent.send(payload)
+            load_s = parent.recv()
+            t2 = time.perf_counter()
+            sender.after_bucket()
+            out["phases"].append({"bucket": i, "pack_serialize_s": t1 - t0, "receiver_load_s": load_s,
+                                  "roundtrip_s": t2 - t1, "ipc_collect_s": time.perf_counter() - t2,
+                                  "mem_before_gib": m0, "mem_after_gib": mem()})
+        sender.close()
+        out["total_s"] = time.perf_counter() - t_all
+        out["gb_per_s"] = out["bytes"] / 1e9 / out["total_s"]
+        out["mem_after_close_gib"] = mem()
+        out["shared_segments_left"] = len(shared_segments())
+    finally:
+        parent.send(None)
+        proc.join(timeout=60)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shape on CPU (fp32): exercises the code, no GPU")
@@ -295,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
             result["te"] = {"bf16": te_bf16, "fp8": te_fp8, "fp8_speedup": te_bf16["update_s"] / te_fp8["update_s"]}
         else:
             result["te"] = {"skipped": "Transformer Engine not importable" if device == "cuda" else "CPU run"}
+    result["ipc_handover"] = ipc_handover(cfg, device)
     if not args.skip_rollout:
         with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
             result["rollout"] = rollout_throughput(cfg, Path(tmp), requests=gen_requests, new_tokens=gen_tokens,
@@ -326,6 +402,9 @@ def main(argv: list[str] | None = None) -> int:
               f"({r['requests']} requests x {r['new_tokens']} tokens, {r['embedded_server']['device']})")
         if "hf_generate_gpu" in r:
             print(f"{'HF generate on the GPU tokens/s':34s} {r['hf_generate_gpu']['tokens_per_s']:10.1f}")
+    h = result["ipc_handover"]
+    print(f"{'colocated hand-over GB/s':34s} {h['gb_per_s']:10.3f}   ({h['bytes'] / 2**20:.0f} MiB, "
+          f"{len(h['phases'])} buckets, {h['device']}; {h['shared_segments_left']} shared segments left)")
     print(f"grad norms finite: {tr['finite']}; {result['wall_s']:.0f} s in all; wrote {out_path}")
     return 0
 

@@ -27,6 +27,10 @@ each stage are read back from the server (``/get_weights_by_name``, first rows) 
 the HF checkpoint plus that layout's constant, and the server's ``weight_version`` must be the last
 published one.
 
+Part 4 (``--part colocated``, issue 17): the same ~1 GB model handed over by shared-memory handles
+(``ColocatedWeightSender``, ``/update_weights_from_tensor``) against a plain in-process copy of
+the same bytes (target >= 0.5x) and the broadcast path of part 1 (read from the results file).
+
 Writes ``benchmarks/results/sync_throughput.json`` (parts not run keep their entries; top-level
 ``load_avg_1m`` is that of the last big / tiny run, part pp records its own) and prints a table.
 
@@ -137,6 +141,69 @@ def part_big(bucket_mib: float, repeats: int, load_format: str | None = "flatten
         "split_s": {k.split("/")[1]: best[k] for k in ("weight_sync/bucket_prepare_time_s", "weight_sync/broadcast_time_s",
                                                         "weight_sync/load_time_s", "weight_sync/control_time_s")},
     }
+
+
+def part_colocated(bucket_mib: float, repeats: int) -> dict:
+    """Colocated transport (issue 17): the same ~1 GB synthetic model handed to a real embedded
+    server by shared-memory handles (`ColocatedWeightSender`: session, one reused shared bucket,
+    `/update_weights_from_tensor` flattened_bucket, the server's copy into its parameters), against
+    a plain in-process copy of the same bytes in the same buckets (the physical bound here: the
+    hand-over copies twice, into the bucket and out of it)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from megatron_rl.rollout.launcher import launch_servers
+    from megatron_rl.weight_sync.buckets import bucket_named_tensors
+    from megatron_rl.weight_sync.colocated import ColocatedWeightSender
+
+    cfg = Qwen2Config(vocab_size=65536, hidden_size=2048, intermediate_size=5504, num_hidden_layers=2,
+                      num_attention_heads=16, num_key_value_heads=4, tie_word_embeddings=True,
+                      max_position_embeddings=256, torch_dtype="float32")
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg).eval()
+    state = [(n, t.detach()) for n, t in model.state_dict().items() if n != "lm_head.weight"]  # tied
+    nbytes = sum(t.numel() * t.element_size() for _, t in state)
+    with tempfile.TemporaryDirectory(prefix="sync-bench-") as d:
+        model.save_pretrained(d)
+        del model
+        (server,) = launch_servers("embedded", d, 1, startup_timeout_s=600, embedded_args=["--dtype", "float32"])
+    times: dict[str, list[float]] = {"fresh": [], "kept": []}
+    try:
+        client = server.client(timeout_s=600)
+        for mode in times:  # fresh: a new shared buffer per update (the default); kept: reused across updates
+            sender = ColocatedWeightSender([client], bucket_size_mib=bucket_mib, timeout_s=600,
+                                           keep_buffer=mode == "kept")
+            sender.init_group()
+            for i in range(repeats + 1):  # the first is a warm-up
+                t0 = time.perf_counter()
+                sender.begin_update()
+                sender.send(iter(state), weight_version=f"{mode}{i}")
+                sender.finish_update(f"{mode}{i}")
+                times[mode].append(time.perf_counter() - t0)
+            sender.close()
+    finally:
+        server.stop()
+    buckets = list(bucket_named_tensors(iter(state), bucket_mib))
+    dst = torch.empty(max(sum(t.numel() for _, t in b) for b in buckets) * 4, dtype=torch.uint8)
+    copies = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        for b in buckets:
+            off = 0
+            for _, t in b:
+                n = t.numel() * t.element_size()
+                dst[off:off + n].view(t.dtype).copy_(t.reshape(-1))
+                off += n
+        copies.append(time.perf_counter() - t0)
+    best, kept, copy = min(times["fresh"][1:]), min(times["kept"][1:]), min(copies[1:])
+    big = {}
+    out = REPO / "benchmarks" / "results" / "sync_throughput.json"
+    if out.is_file():
+        big = json.loads(out.read_text()).get("big", {})
+    return {"model_bytes": nbytes, "bucket_size_mib": bucket_mib, "num_buckets": len(buckets), "repeats": repeats,
+            "handover_time_s": best, "handover_gb_per_s": nbytes / 1e9 / best, "copy_time_s": copy,
+            "copy_gb_per_s": nbytes / 1e9 / copy, "ratio_to_copy": copy / best,
+            "kept_buffer_time_s": kept, "kept_buffer_gb_per_s": nbytes / 1e9 / kept, "kept_ratio_to_copy": copy / kept,
+            "broadcast_gb_per_s": big.get("sync_gb_per_s"), "all_times_s": times, "load_avg_1m": os.getloadavg()[0]}
 
 
 def part_tiny(repeats: int) -> dict:
@@ -376,7 +443,7 @@ def part_pp(bucket_mib: float, repeats: int, load_format: str | None) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--part", choices=["big", "tiny", "both", "pp", "all"], default="both",
+    ap.add_argument("--part", choices=["big", "tiny", "both", "pp", "colocated", "all"], default="both",
                     help="both = big + tiny; all = big + tiny + pp")
     ap.add_argument("--pp-worker", help=argparse.SUPPRESS)  # internal: one trainer rank of part pp
     ap.add_argument("--bucket-size-mib", type=float, default=512.0)
@@ -435,6 +502,13 @@ def main() -> None:
                   f"v{lay['check']['weight_version']}, {lay['check']['tensors_checked']} tensors ok")
             print(f"  {'':<24} split of the best: " + ", ".join(f"{k} {v:.3f}s" for k, v in lay["split_best_s"].items())
                   + (f"; WARNINGS: {lay['warnings']}" if lay["warnings"] else ""))
+    if args.part in ("colocated", "all"):
+        result["colocated"] = c = part_colocated(args.bucket_size_mib, args.repeats)
+        print(f"\ncolocated hand-over ({c['model_bytes'] / 1e9:.2f} GB, {c['num_buckets']} buckets of <= "
+              f"{c['bucket_size_mib']:.0f} MiB, shared memory), best of {args.repeats}:")
+        print(f"  hand-over {c['handover_gb_per_s']:.3f} GB/s, in-process copy {c['copy_gb_per_s']:.3f} GB/s, "
+              f"ratio {c['ratio_to_copy']:.2f} (target >= 0.5); broadcast path {c['broadcast_gb_per_s']} GB/s")
+        print(f"  buffer kept across updates: {c['kept_buffer_gb_per_s']:.3f} GB/s, ratio {c['kept_ratio_to_copy']:.2f}")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     print(f"\nwritten {out}")

@@ -47,6 +47,12 @@ VERL_ALIASES: dict[str, str] = {
     "algorithm.rollout_correction.rollout_is_threshold": "algorithm.rollout_correction.tis_cap",
     "algorithm.rollout_correction.rollout_rs_threshold": "algorithm.rollout_correction.mask_high",
     "algorithm.rollout_correction.rollout_rs_threshold_lower": "algorithm.rollout_correction.mask_low",
+    "actor_rollout_ref.hybrid_engine": "rollout.colocate",
+    "colocate": "rollout.colocate",  # slime's --colocate
+    "actor_rollout_ref.rollout.gpu_memory_utilization": "rollout.mem_fraction_static",
+    "sglang_mem_fraction_static": "rollout.mem_fraction_static",  # slime's --sglang-mem-fraction-static
+    "actor_rollout_ref.rollout.tensor_model_parallel_size": "rollout.tp_size",
+    "rollout_num_gpus_per_engine": "rollout.tp_size",  # slime's --rollout-num-gpus-per-engine
 }
 """verl's full dotted paths (longest match wins) -> this project's keys (ALGORITHMS.md preamble)."""
 

@@ -162,6 +162,14 @@ class RolloutConfig:
     """Bearer token for the control endpoints (secret)."""
     server_max_batch_size: int = 256
     """Embedded server: sequences decoded together."""
+    colocate: bool = False
+    """Colocated mode (DESIGN.md "Stages and engines"): the engines run on the trainer's own devices,
+    one engine per `tp_size` trainer devices (on CPU the trainer's `trainer.nproc_per_node`
+    processes count as the devices), started by `megatron-rl train`. Around every weight update the
+    engines release their memory, the trainer trains, then the engines resume and receive the
+    weights by IPC handles (`/update_weights_from_tensor`; shared-memory tensors on CPU). Needs
+    `trainer.max_staleness: 0` and `rollout.backend` embedded or sglang. Default false.
+    verl: `actor_rollout_ref.hybrid_engine`; slime: `--colocate`."""
 
     def __post_init__(self) -> None:
         _choice("rollout", "backend", self.backend, tuple(ROLLOUT_BACKEND_PORTS))

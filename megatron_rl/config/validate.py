@@ -12,10 +12,11 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from megatron_rl.algorithms.options import (ADV_ESTIMATOR_SPECS, ResolvedCorrection, check_group_size,
                                             resolve_rollout_correction)
+from megatron_rl.config.colocate import check_colocate
 from megatron_rl.config.hub_ids import cached_file
 from megatron_rl.config.schema import Config
 from megatron_rl.errors import ConfigError
@@ -156,17 +157,18 @@ def validate_config(cfg: Config) -> None:
         raise ConfigError("trainer.sequence_parallel needs trainer.tensor_model_parallel_size > 1")
     if cfg.model.path is None and cfg.model.hf_config_path is None:
         raise ConfigError("model.path (a Hugging Face model folder or hub id ORG/NAME[@REVISION]) is required")
-    _check_model_layout(cfg)
+    check_colocate(cfg, _check_model_layout(cfg))
 
 
-def _check_model_layout(cfg: Config) -> None:
-    """Static checks of the parallel layout against the model's config.json, when it is readable."""
+def _check_model_layout(cfg: Config) -> Optional[dict]:
+    """Static checks of the parallel layout against the model's config.json, when it is readable;
+    returns that config.json (None when unreadable)."""
     cands = [cached_file(cfg.model.path, "config.json") or Path(cfg.model.path) / "config.json"] if cfg.model.path else []
     if cfg.model.hf_config_path:
         cands.append(Path(cfg.model.hf_config_path))
     src = next((c for c in cands if c.is_file()), None)
     if src is None:
-        return
+        return None
     try:
         hf = json.loads(src.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -193,3 +195,4 @@ def _check_model_layout(cfg: Config) -> None:
             f"data.max_prompt_length + data.max_response_length (or eval.max_response_length) = {longest} exceeds "
             f"the model's max_position_embeddings {max_pos} ({src})"
         )
+    return hf

@@ -86,6 +86,9 @@ def build_app(state: ServerState) -> FastAPI:
     _add_control_routes(app, state)
     _add_group_routes(app, state)
     _add_update_routes(app, state)
+    from megatron_rl.engine.memory_routes import add_memory_routes  # colocated mode (issue 17)
+
+    add_memory_routes(app, state)
     return app
 
 

@@ -605,3 +605,42 @@ class RolloutClient(HTTPEngineClient):
         if load_format is not None:
             body["load_format"] = load_format
         return self._control("/update_weights_from_distributed", body, timeout_s=timeout_s)
+
+    # ---- colocated mode (issue 17) ------------------------------------------------------
+
+    def release_memory_occupation(self, tags: list[str] | None = None, *, timeout_s: float | None = None) -> dict:
+        """``POST /release_memory_occupation`` (``tags`` None = all of ``weights``, ``kv_cache``,
+        ``cuda_graph``); needs an idle server. Returns ``{"rss_before", "rss_after"}`` in bytes
+        when the server reports them (the embedded server's ``X-RSS-*`` headers), else ``{}``.
+        Raises ``RolloutServerError`` unless 200."""
+        return self._memory_call("/release_memory_occupation", tags, timeout_s)
+
+    def resume_memory_occupation(self, tags: list[str] | None = None, *, timeout_s: float | None = None) -> dict:
+        """``POST /resume_memory_occupation``; answers as ``release_memory_occupation``."""
+        return self._memory_call("/resume_memory_occupation", tags, timeout_s)
+
+    def _memory_call(self, path: str, tags: list[str] | None, timeout_s: float | None) -> dict:
+        resp = self._request("POST", path, json={"tags": tags}, admin=True, timeout_s=timeout_s)
+        self._check(resp, path)
+        out = {}
+        for key, header in (("rss_before", "x-rss-before"), ("rss_after", "x-rss-after")):
+            if header in resp.headers:
+                out[key] = int(resp.headers[header])
+        return out
+
+    def update_weights_from_tensor(self, serialized_named_tensors: list[str], *, load_format: str | None = None,
+                                   flush_cache: bool = True, weight_version: str | None = None,
+                                   abort_all_requests: bool = False, timeout_s: float | None = None) -> dict:
+        """``POST /update_weights_from_tensor`` (SGLANG_API.md 2.4): one payload per TP rank
+        (``megatron_rl.weight_sync.ipc.serialize_named_tensors``); answers after the load."""
+        body: dict[str, Any] = {"serialized_named_tensors": list(serialized_named_tensors), "flush_cache": flush_cache,
+                                "abort_all_requests": abort_all_requests}
+        if load_format is not None:
+            body["load_format"] = load_format
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        return self._control("/update_weights_from_tensor", body, timeout_s=timeout_s)
+
+    def memory_occupation(self) -> dict:
+        """``GET /memory_occupation`` (embedded server only): ``weights``, ``kv_cache``, ``rss_bytes``."""
+        return self._check(self._request("GET", "/memory_occupation"), "/memory_occupation")

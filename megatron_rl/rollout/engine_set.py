@@ -17,7 +17,7 @@ from megatron_rl.rollout.engine import engine_backend
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EngineSet", "rollout_server_env"]
+__all__ = ["EngineSet", "colocated_engine_args", "rollout_server_env"]
 
 _TRAINER_ONLY_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
                      "TORCHELASTIC_RUN_ID", "CUDA_DEVICE_MAX_CONNECTIONS", "MEGATRON_RL_USER_OMP_NUM_THREADS")
@@ -39,6 +39,20 @@ def rollout_server_env(servers: int = 1) -> dict[str, str]:
     env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return env
+
+
+def colocated_engine_args(rollout) -> tuple[list[str], list[list[str]]]:
+    """`(sglang_args, per_server_args)` of the engines `megatron-rl train` starts: with
+    `rollout.colocate` and the sglang backend, engine *i* takes the trainer's GPUs
+    `[i x tp_size, (i + 1) x tp_size)` (SGLang `--base-gpu-id`) and every engine runs with
+    `--enable-memory-saver` (release / resume really hand memory back); otherwise the given
+    `rollout.sglang_extra_args` and no per-engine flags."""
+    args = list(rollout.sglang_extra_args)
+    if not (rollout.colocate and rollout.backend == "sglang"):
+        return args, []
+    if "--enable-memory-saver" not in args:
+        args.append("--enable-memory-saver")
+    return args, [["--base-gpu-id", str(i * rollout.tp_size)] for i in range(rollout.num_servers)]
 
 
 class EngineSet:
@@ -63,6 +77,7 @@ class EngineSet:
         from megatron_rl.rollout.launcher import launch_servers
 
         cfg, r = self.cfg, self.cfg.rollout
+        sglang_args, per_server_args = colocated_engine_args(r)
         self.processes = launch_servers(
             r.backend, cfg.model.path, r.num_servers, ports=r.server_ports, log_dir=cfg.run_dir,
             startup_timeout_s=r.startup_timeout_s, env=rollout_server_env(r.num_servers), api_key=r.api_key,
@@ -75,7 +90,8 @@ class EngineSet:
                            "--run-dir", str(cfg.run_dir)],
             sglang_python=r.sglang_python,
             tp_size=r.tp_size, mem_fraction_static=r.mem_fraction_static, skip_tokenizer_init=r.skip_tokenizer_init,
-            sglang_args=r.sglang_extra_args, vllm_python=r.vllm_python, vllm_args=r.vllm_extra_args,
+            sglang_args=sglang_args, vllm_python=r.vllm_python, vllm_args=r.vllm_extra_args,
+            per_server_args=per_server_args,
         )
         return [server.base_url for server in self.processes]
 

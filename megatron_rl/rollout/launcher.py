@@ -526,6 +526,7 @@ def launch_servers(
     log_dir: str | os.PathLike | None = None,
     startup_timeout_s: float = 180.0,
     env: dict[str, str] | None = None,
+    per_server_args: Sequence[Sequence[str]] = (),
     **spec_fields,
 ) -> list[ServerProcess]:
     """Start ``num_servers`` rollout engines of ``backend`` together and wait until all are healthy.
@@ -538,6 +539,8 @@ def launch_servers(
         backend: a name of ``ENGINE_BACKENDS`` (``embedded``, ``sglang``, ``vllm``, ``vllm-embedded``).
         ports: explicit ports, ``ports_per_server`` of the backend per engine (HTTP first; SGLang
             then its NCCL port).
+        per_server_args: flags appended to engine *i*'s command only (e.g. SGLang's
+            ``--base-gpu-id`` of colocated engines); empty = none. Kept across restarts.
         spec_fields: the ``LaunchSpec`` fields (``host``, keys, ``random_seed``,
             ``enable_deterministic_inference``, ``embedded_args``, ``sglang_python``, ``tp_size``,
             ``mem_fraction_static``, ``skip_tokenizer_init``, ``sglang_args``, ``vllm_python``,
@@ -571,7 +574,9 @@ def launch_servers(
     try:
         for i, ports_ in enumerate(port_sets):
             log = Path(log_dir) / f"rollout_server_{i}.log" if log_dir is not None else None
-            servers.append(_start(make_cmd, ports_, kind.ports_per_server, host=spec.host, log_path=log,
+            extra = [str(a) for a in per_server_args[i]] if i < len(per_server_args) else []
+            make_i = (lambda p, extra=extra: make_cmd(p) + extra) if extra else make_cmd
+            servers.append(_start(make_i, ports_, kind.ports_per_server, host=spec.host, log_path=log,
                                   startup_timeout_s=startup_timeout_s, env=env, api_key=spec.api_key,
                                   admin_api_key=spec.admin_api_key, wait=False))
         for server in servers:

@@ -182,6 +182,8 @@ def _produce(run, step: int):
 def _train_step(run, batch, produced, t_step: float) -> dict:
     """Step 6 (old log-probs, reference log-probs, PPO mini-batch updates) and step 7 (publish)."""
     a = run.cfg.actor
+    if run.colocation is not None:  # engines release, trainer onloads (issue 17)
+        run.colocation.before_train()
     t_lp = time.perf_counter()
     mini_seqs = a.ppo_mini_batch_size * run.cfg.rollout.n
     batch.old_logprobs = run.policy.old_logprobs(batch, mini_batch_sequences=mini_seqs)  # actor.old_logprob_source
@@ -189,9 +191,13 @@ def _train_step(run, batch, produced, t_step: float) -> dict:
         batch.ref_logprobs = run.policy.compute_logprobs(batch, model=run.ref_model, mini_batch_sequences=mini_seqs)
     t_upd = time.perf_counter()
     history = run.policy.update(batch, mini_batch_sequences=mini_seqs, ppo_epochs=a.ppo_epochs)
+    if run.colocation is not None:  # trainer offloads before the engines resume
+        run.colocation.after_train()
     t_sync = time.perf_counter()
     run.weight_version += 1
     sync_metrics = run.publisher.publish(run.weight_version)
+    if run.colocation is not None:
+        sync_metrics = {**sync_metrics, **run.colocation.metrics()}
     if run.ahead is not None:  # admits the next step's generation; frees a waiting re-sync
         run.ahead.published(run.weight_version)
     t_end = time.perf_counter()

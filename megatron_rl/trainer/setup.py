@@ -99,6 +99,7 @@ class Run:
     engines: object = None
     producer: object = None
     publisher: object = None
+    colocation: object = None
     writer: object = None
     weight_version: int = 0
     total_tokens: int = 0
@@ -267,8 +268,9 @@ def _restore(run: Run) -> None:
     logger.info("resuming from step %d (%s); next step %d", step, run.run_dir / "checkpoints", run.start_step)
 
 
-def _sender_factory(cfg: Config, engines):
-    """`(urls, group_name) -> WeightSyncSender` over new clients of those engines."""
+def _sender_factory(cfg: Config, engines, colocation=None):
+    """`(urls, group_name) -> WeightSyncSender` over new clients of those engines (a
+    `ColocatedWeightSender` with `rollout.colocate`)."""
     from megatron_rl.rollout.engine import engine_backend
     from megatron_rl.weight_sync.sender import WeightSyncSender
 
@@ -278,6 +280,11 @@ def _sender_factory(cfg: Config, engines):
         clients = [engine_backend(r.backend).client(u, api_key=r.api_key, admin_api_key=r.admin_api_key,
                                                           timeout_s=60.0, generate_timeout_s=r.timeout_s)
                    for u in urls]
+        if colocation is not None:
+            from megatron_rl.weight_sync.colocated import ColocatedWeightSender
+
+            return ColocatedWeightSender(clients, memory=colocation.engines, bucket_size_mib=ws.bucket_size_mib,
+                                         timeout_s=ws.timeout_s)
         return WeightSyncSender(clients, master_address=ws.master_address,
                                 master_port=ws.master_port if group_name == "weight_update_group" else None,
                                 backend=ws.backend, group_name=group_name, bucket_size_mib=ws.bucket_size_mib,
@@ -350,8 +357,12 @@ def build_run(cfg: Config, stack: contextlib.ExitStack, rank: int, t_start: floa
     _restore(run)
     if run.is_controller:
         _connect_controller(run, stack)
+    if cfg.rollout.colocate:  # issue 17: engines on the trainer's devices (trainer/offload.py)
+        from megatron_rl.trainer.offload import setup_colocation
+
+        run.colocation = setup_colocation(run)
     run.publisher = WeightPublisher(
-        run.model, run.hf_config, run.pgs, sender_factory=_sender_factory(cfg, run.engines),
+        run.model, run.hf_config, run.pgs, sender_factory=_sender_factory(cfg, run.engines, run.colocation),
         fleet=run.engines.fleet if run.is_controller else None,
         check_checksums=cfg.weight_sync.check_checksums, run_dir=run_dir)
     stack.callback(run.publisher.close)

@@ -42,3 +42,5 @@ def test_cpu_smoke_runs_every_part(tmp_path):
     assert d["te"] == {"skipped": "CPU run"}
     assert d["rollout"]["embedded_server"]["generated_tokens"] == 4 * 8  # ignore_eos: every request runs to the end
     assert "update tokens/s" in r.stdout
+    h = d["ipc_handover"]  # issue 17: the shared-memory path on CPU, every bucket acknowledged, nothing left
+    assert h["device"] == "cpu" and h["phases"] and h["gb_per_s"] > 0 and h["shared_segments_left"] == 0

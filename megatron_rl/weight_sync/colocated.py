@@ -1,0 +1,314 @@
+"""Colocated mode's trainer side (issue 17): the engines' memory protocol and the IPC sender.
+
+The order of one step (CASES.md N11), each phase timed with its memory logged (`PhaseLog`):
+
+    generate -> engines.release(weights, kv_cache) [wait until freed] -> trainer onload -> train
+    -> trainer offload -> empty cache -> engines.resume(weights) -> update_weights_from_tensor
+    (bucket by bucket, ipc_collect after each) -> ipc_collect -> engines.resume(kv_cache) -> generate
+
+`EngineMemory` (controller) does the engine phases; `ColocatedWeightSender` is the publisher's
+sender in colocated mode (same interface as `WeightSyncSender`: `init_group`, `begin_update`,
+`send`, `finish_update`, ...) and calls `EngineMemory.resume` around the update, so the weights
+are never resumed before the trainer has offloaded (the publisher runs after `after_train`).
+The trainer phases (onload / offload) are `megatron_rl.trainer.offload`'s.
+
+Memory readings: `gpu/mem_used_gib` of this process's device on GPU; the RSS (GiB) of the trainer
+and of each engine (the embedded server's `X-RSS-*` answers) on CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Callable, Optional
+
+import torch
+
+from megatron_rl.errors import RolloutServerError, WeightSyncError
+from megatron_rl.weight_sync.buckets import bucket_named_tensors, cast_named_tensors, server_weight_dtype
+from megatron_rl.weight_sync.ipc import ColocatedSender
+
+if TYPE_CHECKING:
+    from megatron_rl.rollout.client import RolloutClient
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ColocatedWeightSender", "EngineMemory", "PhaseLog", "memory_gib"]
+
+GIB = float(2**30)
+
+
+def memory_gib() -> dict[str, float]:
+    """This process's memory now: `gpu/mem_used_gib` (device memory in use, CUDA) or
+    `colocate/trainer_rss_gib` (resident set size, CPU)."""
+    if torch.cuda.is_available():  # pragma: no cover - GPU only
+        return {"gpu/mem_used_gib": torch.cuda.device_memory_used() / GIB}
+    try:
+        import os
+
+        with open("/proc/self/statm") as f:
+            return {"colocate/trainer_rss_gib": int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / GIB}
+    except (OSError, ValueError):
+        return {}
+
+
+class PhaseLog:
+    """Seconds and memory before/after of each colocated phase of a step, as metrics
+    `colocate/<phase>_s`, `colocate/<phase>_<reading>_before|after`."""
+
+    def __init__(self) -> None:
+        self.metrics: dict[str, float] = {}
+        self.order: list[str] = []
+
+    def run(self, phase: str, fn: Callable[[], object]) -> object:
+        """Run `fn()` as `phase`; record its time and the memory before and after. Returns its result."""
+        before = memory_gib()
+        t0 = time.perf_counter()
+        out = fn()
+        self.metrics[f"colocate/{phase}_s"] = time.perf_counter() - t0
+        after = memory_gib()
+        for k, v in before.items():
+            name = k.split("/", 1)[1]
+            self.metrics[f"colocate/{phase}_{name}_before"] = v
+            self.metrics[f"colocate/{phase}_{name}_after"] = after.get(k, v)
+        self.order.append(phase)
+        logger.info("colocated phase %s: %.3f s, %s -> %s", phase, self.metrics[f"colocate/{phase}_s"],
+                    {k: round(v, 3) for k, v in before.items()}, {k: round(v, 3) for k, v in after.items()})
+        return out
+
+    def take(self) -> dict[str, float]:
+        """The metrics recorded since the last `take` (and forget them)."""
+        out, self.metrics, self.order = self.metrics, {}, []
+        return out
+
+
+class EngineMemory:
+    """The controller's view of what the colocated engines hold, and the release / resume calls.
+
+    Args:
+        clients: `() -> the engines' clients` (SGLang API; the fleet's clients that are up now).
+        log: where phases are timed.
+        release_poll: GPU only: `() -> device GiB in use`, polled after a release until it falls
+            below `release_threshold_gib` (a release may return before the memory is free:
+            slime #579); None skips the poll (CPU: the embedded server frees before it answers).
+        release_threshold_gib: see `release_poll`.
+        max_polls, poll_interval_s: how long to poll (`WeightSyncError` naming the engine and the
+            reading after that).
+    """
+
+    def __init__(self, clients: Callable[[], list["RolloutClient"]], log: PhaseLog, *,
+                 release_poll: Optional[Callable[[], float]] = None, release_threshold_gib: float = 0.0,
+                 max_polls: int = 60, poll_interval_s: float = 1.0) -> None:
+        self.clients = clients
+        self.log = log
+        self.released: set[str] = set()
+        self.release_poll = release_poll
+        self.release_threshold_gib = release_threshold_gib
+        self.max_polls = max_polls
+        self.poll_interval_s = poll_interval_s
+        self.engine_rss: dict[str, float] = {}
+
+    def _call(self, what: str, tags: list[str]) -> None:
+        for c in self.clients():
+            try:
+                rep = getattr(c, what)(tags)
+            except RolloutServerError as e:
+                raise WeightSyncError(f"{what}({tags}) on {c.base_url} failed: {e}") from e
+            if "rss_after" in rep:
+                self.engine_rss[c.base_url] = rep["rss_after"] / GIB
+                self.log.metrics[f"colocate/engine_rss_gib_after_{what.split('_')[0]}_{'+'.join(tags)}"] = (
+                    sum(self.engine_rss.values()))
+
+    def release(self) -> None:
+        """Release weights and KV cache on every engine (they must be idle) and wait until freed."""
+        def run():
+            self._call("release_memory_occupation", ["weights", "kv_cache"])
+            self.released = {"weights", "kv_cache"}
+            if self.release_poll is not None:
+                self._wait_freed()
+
+        self.log.run("engine_release", run)
+
+    def _wait_freed(self) -> None:
+        reading = self.release_poll()
+        for _ in range(self.max_polls):
+            if reading < self.release_threshold_gib:
+                return
+            time.sleep(self.poll_interval_s)
+            reading = self.release_poll()
+        if reading >= self.release_threshold_gib:
+            urls = ", ".join(c.base_url for c in self.clients())
+            raise WeightSyncError(f"engines {urls} released their memory but the device still uses {reading:.1f} GiB "
+                                  f"(>= {self.release_threshold_gib:.1f} GiB) after {self.max_polls} polls")
+
+    def resume(self, tag: str) -> None:
+        """Resume `tag` ("weights" or "kv_cache") on every engine, if it was released."""
+        if tag not in self.released:
+            return
+        if tag == "kv_cache" and torch.cuda.is_available():  # pragma: no cover - GPU only
+            torch.cuda.empty_cache()  # VMM allocations cannot see PyTorch's cached pages (verl #6912)
+
+        def run():
+            self._call("resume_memory_occupation", [tag])
+            self.released.discard(tag)
+
+        self.log.run(f"engine_resume_{tag}", run)
+
+
+class ColocatedWeightSender:
+    """The publisher's sender in colocated mode: buckets of the trainer's HF-named tensors handed to
+    every engine by IPC handles (`/update_weights_from_tensor`, `load_format: flattened_bucket`).
+
+    Args:
+        clients: the engines' clients.
+        memory: the controller's `EngineMemory` (resume weights before, KV after), None on a
+            stage source that is not the controller.
+        bucket_size_mib: bytes per bucket (one reusable buffer of this size).
+        timeout_s: timeout of each HTTP call, seconds.
+        dtype: the engines' weight dtype; None reads `/model_info`.
+        keep_buffer: keep the bucket buffer between updates (freed at `close`): no fresh pages to
+            fault in per update, but a bucket-sized segment stays alive between updates. Default
+            False: nothing the trainer created outlives an update (CASES.md N12).
+    """
+
+    def __init__(self, clients: list["RolloutClient"], *, memory: Optional[EngineMemory] = None,
+                 bucket_size_mib: float = 512.0, timeout_s: float = 600.0, dtype: torch.dtype | None = None,
+                 keep_buffer: bool = False) -> None:
+        if not clients:
+            raise ValueError("ColocatedWeightSender needs at least one rollout client")
+        self.clients = list(clients)
+        self.memory = memory
+        self.bucket_size_mib = bucket_size_mib
+        self.timeout_s = timeout_s
+        self.dtype = dtype
+        self._ready = False
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.keep_buffer = keep_buffer
+        self._kept: Optional[ColocatedSender] = None
+
+    @property
+    def initialized(self) -> bool:
+        """True after `init_group` (there is no process group: the engines' dtype is known)."""
+        return self._ready
+
+    def init_group(self) -> None:
+        """No group to create: read the engines' weight dtype (`/model_info`)."""
+        if self.dtype is None:
+            try:
+                self.dtype = server_weight_dtype(self.clients[0].model_info(), url=self.clients[0].base_url)
+            except RolloutServerError as e:
+                raise WeightSyncError(f"cannot read the engines' dtype: {e}") from e
+        self._ready = True
+
+    def begin_update(self) -> None:
+        """Resume the engines' weights (if released), pause them and open the update session."""
+        try:
+            if self.memory is not None:
+                self.memory.resume("weights")
+            for c in self.clients:
+                c.pause_generation("abort")
+                c.begin_weight_update(timeout_s=self.timeout_s)
+        except RolloutServerError as e:
+            raise WeightSyncError(f"could not open the weight-update session: {e}") from e
+
+    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
+             weight_version: str | None = None) -> dict[str, float]:
+        """Hand `named_tensors` over bucket by bucket (one reused buffer; the handles are collected
+        after each bucket and the buffer freed at the end). Returns the stats of
+        `WeightSyncSender.send` (`broadcast_time_s` = the hand-over calls).
+
+        Raises:
+            WeightSyncError: no tensors, or an engine refused a bucket.
+        """
+        t_all = time.perf_counter()
+        sender = self._kept or ColocatedSender(int(self.bucket_size_mib * 2**20), self.device)
+        if self.keep_buffer:
+            self._kept = sender
+        stats = dict.fromkeys(("bytes", "num_buckets", "num_tensors", "broadcast_time_s", "prepare_time_s",
+                               "load_time_s"), 0.0)
+        try:
+            buckets = bucket_named_tensors(cast_named_tensors(named_tensors, self.dtype), self.bucket_size_mib)
+            current = next(buckets, None)
+            if current is None:
+                raise WeightSyncError("no tensors to send")
+            while current is not None:
+                following = next(buckets, None)
+                tp = time.perf_counter()
+                payload = sender.payload(current)
+                tb = time.perf_counter()
+                stats["prepare_time_s"] += tb - tp
+                for c in self.clients:
+                    c.update_weights_from_tensor([payload], load_format="flattened_bucket", flush_cache=False,
+                                                 weight_version=weight_version if following is None else None,
+                                                 timeout_s=self.timeout_s)
+                sender.after_bucket()  # ipc_collect (CUDA) once every engine has answered
+                stats["broadcast_time_s"] += time.perf_counter() - tb
+                stats["bytes"] += sum(t.numel() * t.element_size() for _, t in current)
+                stats["num_buckets"] += 1
+                stats["num_tensors"] += len(current)
+                current = following
+        except RolloutServerError as e:
+            raise WeightSyncError(f"colocated weight hand-over failed: {e}") from e
+        except (ValueError, TypeError) as e:  # bad input from the tensor iterable
+            raise WeightSyncError(f"cannot hand the weights over: {type(e).__name__}: {e}") from e
+        finally:
+            if self.keep_buffer:
+                sender.after_bucket()
+            else:
+                sender.close()
+        logger.info("colocated hand-over: %d tensors, %.1f MiB in %.3f s", stats["num_tensors"],
+                    stats["bytes"] / 2**20, time.perf_counter() - t_all)
+        return stats
+
+    def finish_update(self, weight_version: str) -> None:
+        """Close the session, resume the KV cache, check every engine's version, continue."""
+        weight_version = str(weight_version)
+        try:
+            for c in self.clients:
+                c.end_weight_update(timeout_s=self.timeout_s)
+            if self.memory is not None:
+                self.memory.resume("kv_cache")
+            for c in self.clients:
+                c.flush_cache(timeout_s=min(30.0, self.timeout_s))
+            stale = [(c.base_url, v) for c in self.clients if (v := c.weight_version()) != weight_version]
+            if stale:
+                raise WeightSyncError(f"engines report a weight_version other than {weight_version!r}: {stale}")
+            for c in self.clients:
+                c.continue_generation()
+        except RolloutServerError as e:
+            raise WeightSyncError(f"closing the colocated weight update failed: {e}") from e
+
+    def close_session_after_error(self) -> None:
+        """Close the open session on every engine after a failed hand-over (best effort)."""
+        for c in self.clients:
+            try:
+                c.end_weight_update(timeout_s=min(30.0, self.timeout_s))
+            except RolloutServerError as e:
+                logger.warning("end_weight_update on %s after a failed hand-over: %s", c.base_url, e)
+
+    def checksums(self, named_tensors, into: dict):
+        """As `WeightSyncSender.checksums` (pass-through that records checksums)."""
+        from megatron_rl.weight_sync.sender import _digest
+
+        for name, tensor in named_tensors:
+            if tensor.is_floating_point():
+                into[name] = (_digest(tensor if self.dtype is None else tensor.to(self.dtype)), list(tensor.shape))
+            yield name, tensor
+
+    def check_checksums(self, expected: dict) -> dict[str, float]:
+        """As `WeightSyncSender.check_checksums`."""
+        from megatron_rl.weight_sync.sender import WeightSyncSender
+
+        return WeightSyncSender.check_checksums(self, expected)  # type: ignore[arg-type]
+
+    def destroy(self) -> None:
+        """No process group to tear down; frees a kept buffer."""
+        self._ready = False
+        if self._kept is not None:
+            self._kept.close()
+            self._kept = None
+
+    def close(self) -> None:
+        """As `destroy`."""
+        self.destroy()

@@ -1,0 +1,118 @@
+"""The colocated shared-memory transport (issue 17, CASES.md N12): packing, the restricted
+unpickler, the peer-process check and segment lifetimes."""
+
+import base64
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from megatron_rl.weight_sync.ipc import (ColocatedSender, HandleError, bucket_layout, deserialize_named_tensors,
+                                         in_process_tree, pack_bucket, peer_pid, process_tree,
+                                         serialize_named_tensors, shared_segments, unpack_bucket)
+
+ME = frozenset({os.getpid()})
+
+
+def test_n12a_receiver_copies_out_of_the_reused_buffer():
+    buf = torch.zeros(16, dtype=torch.uint8)
+    params = {k: torch.zeros(2) for k in "abcd"}
+    for bucket in ([("a", torch.tensor([1., 2.])), ("b", torch.tensor([3., 4.]))],
+                   [("c", torch.tensor([5., 6.])), ("d", torch.tensor([7., 8.]))]):
+        metas = pack_bucket(bucket, buf, alignment=4)
+        for name, view in unpack_bucket(buf, metas):
+            params[name].copy_(view)  # what GenerationEngine.load_weights does
+    assert {k: v.tolist() for k, v in params.items()} == {"a": [1, 2], "b": [3, 4], "c": [5, 6], "d": [7, 8]}
+
+
+def test_n12b_non_contiguous_tensors_round_trip_bitwise():
+    torch.manual_seed(0)
+    t1 = torch.randn(8, 16).t()
+    t2 = torch.randn(40, 60)[:, ::2]
+    t3 = torch.randn(4, 8, 12).to(torch.bfloat16).permute(2, 0, 1)
+    named = [("t1", t1), ("t2", t2), ("t3", t3)]
+    assert not any(t.is_contiguous() for _, t in named)
+    metas, used = bucket_layout(named)
+    assert [m.end_idx - m.start_idx for m in metas] == [512, 4800, 768]
+    assert [m.start_idx for m in metas] == [0, 512, 5632] and used == 6656
+    buf = torch.empty(used, dtype=torch.uint8)
+    out = unpack_bucket(buf, pack_bucket(named, buf))
+    for (_, a), (_, b) in zip(named, out):
+        assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_n12c_buckets_through_shared_memory_leave_no_segment():
+    sender = ColocatedSender(bucket_bytes=64 << 20)
+    target = {f"w{i}": torch.empty(16 << 20) for i in range(8)}  # 8 x 64 MiB fp32
+    peak = 0
+    for i in range(8):
+        src = torch.full((16 << 20,), float(i))
+        payload = sender.payload([(f"w{i}", src)])
+        peak = max(peak, len(shared_segments()))
+        for name, view in deserialize_named_tensors(payload, trusted_pids=ME, load_format="flattened_bucket"):
+            target[name].copy_(view)
+        del view
+        sender.after_bucket()
+    assert peak <= 2
+    sender.close()
+    assert shared_segments() == []
+    assert all(target[f"w{i}"][[0, -1]].tolist() == [i, i] for i in range(8))
+
+
+def test_named_tensor_list_and_parameters_round_trip():
+    named = [("x", torch.arange(6.).reshape(2, 3)), ("p", torch.nn.Parameter(torch.ones(3)))]
+    out = deserialize_named_tensors(serialize_named_tensors(named), trusted_pids=ME)
+    assert [n for n, _ in out] == ["x", "p"] and torch.equal(out[0][1], named[0][1])
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+@pytest.mark.parametrize("obj, words", [
+    ([("x", _Evil())], "global posix.system is not allowed"),
+    ([("x", torch.ones(2))], "is not allowed"),  # plain pickle: torch.storage._load_from_bytes (torch.load)
+])
+def test_foreign_globals_are_refused(obj, words):
+    payload = base64.b64encode(pickle.dumps(obj)).decode()
+    with pytest.raises(HandleError, match=words):
+        deserialize_named_tensors(payload, trusted_pids=ME)
+
+
+def test_handles_outside_the_trusted_tree_and_bad_shapes_are_refused():
+    payload = serialize_named_tensors([("x", torch.ones(4))])
+    with pytest.raises(HandleError, match="does not belong to the trusted process tree"):
+        deserialize_named_tensors(payload, trusted_pids=frozenset({1}))
+    with pytest.raises(HandleError, match="not base64"):
+        deserialize_named_tensors("%%%", trusted_pids=ME)
+    with pytest.raises(HandleError, match="list of \\(name, tensor\\) pairs"):
+        deserialize_named_tensors(base64.b64encode(pickle.dumps([1, 2])).decode(), trusted_pids=ME)
+    with pytest.raises(HandleError, match="flattened_tensor"):
+        deserialize_named_tensors(payload, trusted_pids=ME, load_format="flattened_bucket")
+
+
+def test_peer_pid_and_process_tree():
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port = srv.getsockname()[1]
+    child = subprocess.Popen([sys.executable, "-c", f"import socket,time; s=socket.create_connection(('127.0.0.1',{port})); time.sleep(30)"])
+    sibling = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        conn, (host, peer_port) = srv.accept()
+        tree = process_tree(os.getpid())
+        assert child.pid in tree and sibling.pid in tree
+        assert peer_pid(port, peer_port, sorted(tree)) == child.pid
+        assert in_process_tree(child.pid, os.getpid())
+        assert not in_process_tree(child.pid, sibling.pid)  # not under the sibling's tree
+        conn.close()
+    finally:
+        child.kill()
+        sibling.kill()
+        srv.close()
