@@ -11,14 +11,20 @@ Paths: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions`` (token-id p
 ``POST /resume``, ``GET /is_paused``, ``POST /abort_requests``, ``POST /reset_prefix_cache``,
 ``GET /get_world_size``, ``GET /weight_info``, ``POST /update_weight_version``,
 ``POST /init_weight_transfer_engine``, ``POST /start_weight_update``,
-``POST /start_draft_weight_update``, ``POST /update_weights``, ``POST /finish_weight_update``.
+``POST /start_draft_weight_update``, ``POST /update_weights``, ``POST /finish_weight_update``,
+``POST /sleep?level=&mode=``, ``POST /wake_up?tags=``, ``GET /is_sleeping``.
 
 Where the stand-in differs from vLLM (on purpose, and only there): it has no tokenizer, so a
 completion must ask ``return_tokens_as_token_ids`` and gets ``text: ""``; a completion body with a
 field vLLM would ignore is refused (400), so that a client sending something vLLM drops is caught;
 the transfer group is a gloo group of ``megatron_rl.weight_sync.group`` on CPU (vLLM's is NCCL,
 ``StatelessProcessGroup`` + ``PyNcclCommunicator``), and ``packed`` transfer is refused; no
-``/sleep``, ``/wake_up`` or ``/weight_checker``. ``--api-key`` guards ``/v1/*`` only, as vLLM's.
+``/weight_checker``. ``--api-key`` guards ``/v1/*`` only, as vLLM's. Sleep mode is a state only (no
+memory is released; that is the colocation helper's job): ``/sleep`` pauses as ``/pause`` does and
+marks the parts asleep, ``/wake_up`` wakes the named parts and resumes once all are awake, and a
+completion is refused while any part sleeps (503, vLLM's "Generation is paused" error) and, after a
+level-2 sleep, until a weight update finished (409 naming level 2 and the missing reload: case N13;
+a real vLLM would answer garbage there). It is served without ``--enable-sleep-mode``.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import json
 import time
 from typing import Any, Literal
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -193,6 +199,7 @@ def build_vllm_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="megatron-rl embedded rollout server (vLLM dialect stand-in)", docs_url=None, redoc_url=None,
                   openapi_url=None)
     engine, session, args = state.engine, state.session, state.args
+    sleeping: dict[str, Any] = {"asleep": set(), "lost_weights": False}  # sleep mode: a state only (module doc)
 
     @app.middleware("http")
     async def auth(request: Request, call_next):  # vLLM: --api-key guards /v1/* only
@@ -251,6 +258,12 @@ def build_vllm_app(state: ServerState) -> FastAPI:
     async def completions(request: Request):
         body = _parse(CompletionBody, await _json_body(request), "CompletionRequest")
         params = _sampling(body)
+        if sleeping["asleep"]:
+            return error("Generation is paused. Please retry after it resumes. (the server sleeps: "
+                         f"{', '.join(sorted(sleeping['asleep']))} not awake)", 503)
+        if sleeping["lost_weights"]:
+            return error("the weights were discarded by sleep level 2 and not reloaded since (case N13): "
+                         "push every weight (and buffer) through the weight-transfer routes first", 409)
         request_id = body.request_id or f"{time.monotonic_ns():x}"
         prompt = _Prompt(prompt=list(body.prompt), params=params, rid=f"cmpl-{request_id}-0",
                          return_logprob=body.logprobs is not None)
@@ -292,8 +305,32 @@ def build_vllm_app(state: ServerState) -> FastAPI:
         return JSONResponse({"status": "aborted", "aborted": count})
 
     @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache():
-        return Response(status_code=200)  # the engine keeps no cache across requests
+    async def reset_prefix_cache(reset_running_requests: bool = False, reset_external: bool = False):
+        return JSONResponse({"success": True})  # the engine keeps no cache across requests
+
+    # ---- sleep mode (a state only: see the module docstring) ---------------------------
+
+    @app.post("/sleep")
+    async def sleep(level: int = Query(1, ge=0, le=2), mode: Literal["abort", "wait", "keep"] = "abort"):
+        if mode == "wait":
+            while engine.counts() != (0, 0):
+                await asyncio.sleep(0.05)
+        await state.in_control_thread(engine.pause, "abort" if mode == "abort" else "in_place")
+        sleeping["asleep"] = {"scheduling"} if level == 0 else {"weights", "kv_cache"}
+        sleeping["lost_weights"] = sleeping["lost_weights"] or level == 2
+        return JSONResponse({"status": "sleeping", "level": level})
+
+    @app.post("/wake_up")
+    async def wake_up(request: Request):
+        tags = request.query_params.getlist("tags") or None  # vLLM: no tags wakes everything
+        sleeping["asleep"] = set() if tags is None else sleeping["asleep"] - set(tags)
+        if not sleeping["asleep"]:
+            engine.resume()
+        return JSONResponse({"status": "sleeping" if sleeping["asleep"] else "awake", "tags": tags})
+
+    @app.get("/is_sleeping")
+    async def is_sleeping():
+        return JSONResponse({"is_sleeping": bool(sleeping["asleep"])})
 
     # ---- weight transfer ---------------------------------------------------------------
 
@@ -355,6 +392,7 @@ def build_vllm_app(state: ServerState) -> FastAPI:
 
         async def run():
             session.end()
+            sleeping["lost_weights"] = False  # N13: the caller reloaded the weights
             if version is not None:
                 engine.weight_version = str(version)
                 session.wrote = False  # one version again

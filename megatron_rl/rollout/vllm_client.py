@@ -9,8 +9,15 @@ The request and answer shapes are vLLM's own (docs/VLLM_API.md names the source 
   ``request_id`` = the rollout's rid (vLLM's engine id is then ``cmpl-<rid>-0``);
 - control: ``POST /pause?mode=abort|wait|keep``, ``POST /resume``, ``POST /abort_requests``
   (exact engine ids; this client keeps the ids in flight to abort by rid prefix as SGLang does),
-  ``POST /reset_prefix_cache``, ``GET /health``, ``GET /get_world_size``, ``GET /weight_info``,
-  ``GET /v1/models``;
+  ``POST /reset_prefix_cache`` (answers ``{"success": bool}``), ``GET /health``, ``GET /get_world_size``,
+  ``GET /weight_info``, ``GET /v1/models``;
+- sleep mode (``--enable-sleep-mode``, colocation): ``POST /sleep?level=0|1|2&mode=abort|wait|keep``,
+  ``POST /wake_up?tags=weights&tags=kv_cache`` (no tags: everything), ``GET /is_sleeping``. Level 2
+  discards the weights (case N13): ``sleep`` refuses it unless the caller promises a full reload,
+  and ``generate`` refuses to send anything until that reload finished or while a client of this
+  process put the server to sleep and some of it is not awake yet (staged wake: ``weights``, then
+  ``kv_cache``). That guard is per process (shared by the clients of one URL); another process
+  can still generate, and a real vLLM then answers from whatever memory it holds;
 - weight transfer (``VLLM_SERVER_DEV_MODE=1`` and ``--weight-transfer-config '{"backend": "nccl"}'``):
   ``/init_weight_transfer_engine`` {"init_info": {master_address, master_port, rank_offset,
   world_size, packed}}, ``/start_weight_update``, ``/update_weights`` {"update_info": {names,
@@ -39,7 +46,7 @@ from megatron_rl.rollout.client import GenerateResult, HTTPEngineClient, StopRea
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["VLLM_VERSION", "VLLMClient", "completion_body", "result_from_vllm"]
+__all__ = ["SLEEP_TAGS", "VLLM_VERSION", "VLLMClient", "completion_body", "result_from_vllm"]
 
 VLLM_VERSION = "0.33.x"
 """The vLLM release whose HTTP API this client speaks (docs/VLLM_API.md)."""
@@ -69,6 +76,29 @@ _SAMPLING_KEYS: dict[str, str] = {
 _NEUTRAL_ONLY = {"stop_regex": (None, "", []), "json_schema": (None,), "regex": (None,), "ebnf": (None,),
                  "structural_tag": (None,), "custom_params": (None,), "stream_interval": (None,),
                  "beam_width": (None, 0, 1), "watermark": (None, False), "choice": (None,)}
+
+#: What ``/wake_up?tags=`` may name (vLLM 0.33: ``device_allocator.DEFERRABLE_TAGS``; ``scheduling``
+#: resumes a level-0 sleep, ``EngineCore.wake_up``).
+SLEEP_TAGS = ("weights", "kv_cache", "scheduling")
+
+
+class _SleepState:
+    """What this process did to one server's sleep mode (shared by every ``VLLMClient`` of that URL:
+    the trainer's weight sender and the rollout use different clients of the same server)."""
+
+    _by_url: dict[str, _SleepState] = {}
+    _registry_lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.asleep: set[str] = set()  # parts put to sleep through this process and not woken yet
+        self.needs_reload = False  # slept at level 2; cleared by a finished weight update
+
+    @classmethod
+    def of(cls, base_url: str) -> _SleepState:
+        with cls._registry_lock:
+            return cls._by_url.setdefault(base_url.rstrip("/"), cls())
+
 
 #: ``/pause`` modes for the SGLang-named modes of ``RolloutEngine.pause_generation``.
 _PAUSE_MODES = {"abort": "abort", "in_place": "keep", "retract": "keep"}
@@ -216,6 +246,7 @@ class VLLMClient(HTTPEngineClient):
         self._inflight: set[str] = set()
         self._inflight_lock = threading.Lock()
         self._group: str | None = None
+        self._sleep = _SleepState.of(self.base_url)
 
     # ---- helpers -----------------------------------------------------------------------
 
@@ -270,6 +301,7 @@ class VLLMClient(HTTPEngineClient):
             ValueError: ``n`` > 1, empty ``input_ids``, or a parameter vLLM has no field for.
         """
         body = completion_body(input_ids, sampling_params, rid, return_logprob)
+        self._check_awake(rid)
         with self._inflight_lock:
             self._inflight.add(rid)
         try:
@@ -309,8 +341,101 @@ class VLLMClient(HTTPEngineClient):
         return self._dict("POST", "/resume", ("status",))
 
     def flush_cache(self, timeout_s: float = 0.0) -> str:
-        """``POST /reset_prefix_cache`` (vLLM answers 200 with no body; it does not report failure)."""
-        return str(self._json("POST", "/reset_prefix_cache", timeout_s=self.timeout_s + timeout_s))
+        """``POST /reset_prefix_cache``; returns the answer as text.
+
+        Raises:
+            RolloutServerError: ``{"success": false}`` (status 400, as SGLang's refusal: blocks are
+                still held by running requests), or another shape than 0.33.x's.
+        """
+        data = self._dict("POST", "/reset_prefix_cache", ("success",), timeout_s=self.timeout_s + timeout_s)
+        if data["success"] is not True:
+            raise RolloutServerError(f"{self.base_url}: /reset_prefix_cache refused (blocks still held by running "
+                                     f"requests): {data}", url=self.base_url, status_code=400, body=data)
+        return str(data)
+
+    # ---- sleep mode (case N13) ---------------------------------------------------------
+
+    def sleep(self, level: int = 1, *, mode: Literal["abort", "wait", "keep"] = "abort",
+              will_reload_weights: bool = False) -> dict:
+        """``POST /sleep?level=...&mode=...`` (the server needs ``--enable-sleep-mode``).
+
+        Level 0 pauses scheduling only; level 1 offloads the weights to CPU and discards the KV cache;
+        level 2 discards both. After level 2 the engine has no valid weights: one woken without a
+        reload of every weight *and* buffer generates from uninitialised memory without any error
+        (case N13). So level 2 is refused unless ``will_reload_weights`` states that the caller will
+        push all of them (``begin_weight_update`` ... ``end_weight_update``) before generating, and
+        ``generate`` refuses to send anything until such an update finished.
+
+        Returns:
+            vLLM's answer, ``{"status": "sleeping", "level": level}``.
+
+        Raises:
+            ValueError: a level other than 0, 1, 2; a bad mode; level 2 without ``will_reload_weights``.
+            RolloutServerError: HTTP error (404 when the server runs without ``--enable-sleep-mode``
+                or ``VLLM_SERVER_DEV_MODE``), or another shape than 0.33.x's.
+        """
+        if level not in (0, 1, 2) or isinstance(level, bool):
+            raise ValueError(f"sleep level must be 0, 1 or 2 (vLLM {VLLM_VERSION}), got {level!r}")
+        if mode not in ("abort", "wait", "keep"):
+            raise ValueError(f"sleep mode must be abort, wait or keep, got {mode!r}")
+        if level == 2 and not will_reload_weights:
+            raise ValueError(
+                "sleep level 2 discards the model's weights (and, before vLLM's fix #16889, its non-parameter "
+                "buffers such as rotary inv_freq): an engine woken without reloading every weight and buffer "
+                "generates garbage from uninitialised memory and nothing fails (case N13). Use level=1, or pass "
+                "will_reload_weights=True only if every weight and buffer is pushed again "
+                "(begin_weight_update ... end_weight_update) before the next generation")
+        data = self._dict("POST", "/sleep", ("status",), params={"level": level, "mode": mode})
+        with self._sleep.lock:
+            self._sleep.asleep = {"scheduling"} if level == 0 else {"weights", "kv_cache"}
+            self._sleep.needs_reload = self._sleep.needs_reload or level == 2
+        return data
+
+    def wake_up(self, tags: Iterable[str] | None = None) -> dict:
+        """``POST /wake_up`` (every part) or ``POST /wake_up?tags=...`` (the named parts only).
+
+        The staged wake of a colocated engine: ``wake_up(["weights"])``, push the new weights, then
+        ``wake_up(["kv_cache"])``; ``generate`` refuses to send anything in between (vLLM keeps
+        scheduling paused and ``/is_sleeping`` true until every part is awake).
+
+        Returns:
+            vLLM's answer, ``{"status": "awake" | "sleeping", "tags": [...] | null}``.
+
+        Raises:
+            ValueError: an empty list or a tag not in ``SLEEP_TAGS``.
+            RolloutServerError: HTTP error or another shape than 0.33.x's.
+        """
+        names = None if tags is None else list(tags)
+        if names is not None and (not names or any(t not in SLEEP_TAGS for t in names)):
+            raise ValueError(f"wake_up tags must be a non-empty list of {SLEEP_TAGS} (None: all), got {names!r}")
+        data = self._dict("POST", "/wake_up", ("status",), params={"tags": names} if names else None)
+        if data["status"] not in ("awake", "sleeping"):
+            raise _shape_error("POST /wake_up", f"status {data['status']!r}", data)
+        with self._sleep.lock:
+            awake = names is None or data["status"] == "awake"
+            self._sleep.asleep = set() if awake else self._sleep.asleep - set(names)
+        return data
+
+    def is_sleeping(self) -> bool:
+        """``GET /is_sleeping``: true while the server sleeps at any level (until every part is awake)."""
+        value = self._dict("GET", "/is_sleeping", ("is_sleeping",))["is_sleeping"]
+        if not isinstance(value, bool):
+            raise _shape_error("GET /is_sleeping", "is_sleeping is not a boolean", value)
+        return value
+
+    def _check_awake(self, rid: str) -> None:
+        """Refuse to send a generation the server would answer from missing weights or KV (case N13)."""
+        with self._sleep.lock:
+            asleep, needs_reload = sorted(self._sleep.asleep), self._sleep.needs_reload
+        if asleep:
+            raise RolloutServerError(f"{self.base_url}: not sending generation {rid!r}: the server sleeps "
+                                     f"({', '.join(asleep)} not awake); wake_up first", url=self.base_url,
+                                     status_code=503)
+        if needs_reload:
+            raise RolloutServerError(f"{self.base_url}: not sending generation {rid!r}: the server slept at level 2 "
+                                     "and its weights were not reloaded since (case N13: it would generate from "
+                                     "uninitialised memory); push all weights first", url=self.base_url,
+                                     status_code=409)
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         """vLLM has no such endpoint: raises ``RolloutServerError`` with status 400, which the checksum
@@ -373,7 +498,10 @@ class VLLMClient(HTTPEngineClient):
     def end_weight_update(self, *, weight_version: str | None = None, timeout_s: float | None = None) -> dict:
         """``POST /finish_weight_update`` {"weight_version": ...} (the body left out when None)."""
         body = {"weight_version": str(weight_version)} if weight_version is not None else None
-        return self._dict("POST", "/finish_weight_update", ("message",), json=body, timeout_s=timeout_s)
+        data = self._dict("POST", "/finish_weight_update", ("message",), json=body, timeout_s=timeout_s)
+        with self._sleep.lock:
+            self._sleep.needs_reload = False  # the caller of sleep(level=2) promised a full reload: this is it
+        return data
 
     def update_weight_version(self, new_version: str) -> dict:
         """``POST /update_weight_version`` {"new_version"}: relabel the weights only."""

@@ -41,6 +41,13 @@ class FakeVLLM:
         self.version = None
         self.block = threading.Event()
         self.started = threading.Event()
+        self.flush_ok = True
+        self.asleep: set[str] = set()
+
+    def _wake(self, tags: list[str]) -> dict:
+        """vLLM's /wake_up: no tags wakes everything; "awake" once nothing sleeps."""
+        self.asleep = set() if not tags else self.asleep - set(tags)
+        return {"status": "sleeping" if self.asleep else "awake", "tags": tags or None}
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
@@ -61,21 +68,27 @@ class FakeVLLM:
             "/pause": (200, {"status": "paused"}),
             "/resume": (200, {"status": "resumed"}),
             "/abort_requests": (200, {"status": "aborted", "aborted": len((body or {}).get("request_ids") or [])}),
-            "/reset_prefix_cache": (200, None),
+            "/reset_prefix_cache": (200, {"success": self.flush_ok}),
+            "/sleep": (200, {"status": "sleeping", "level": int(request.url.params.get("level", 1))}),
+            "/is_sleeping": (200, {"is_sleeping": bool(self.asleep)}),
             "/init_weight_transfer_engine": (200, {"message": "Weight transfer initialized"}),
             "/start_weight_update": (200, {"message": "Weight update started"}),
             "/start_draft_weight_update": (200, {"message": "Draft weight update started"}),
             "/update_weights": (200, {"message": "Weights updated"}),
             "/finish_weight_update": (200, {"message": "Weight update finished"}),
         }
+        if path == "/sleep":
+            self.asleep = {"weights", "kv_cache"}
+        if path == "/wake_up":
+            return httpx.Response(200, json=self._wake(request.url.params.get_list("tags")))
         if path == "/finish_weight_update" and body:
             self.version = body["weight_version"]
         status, payload = answers.get(path, (404, {"detail": "Not Found"}))
         return httpx.Response(status, json=payload) if payload is not None else httpx.Response(status)
 
 
-def _client(fake, **kw):
-    return VLLMClient("http://vllm:8000", transport=httpx.MockTransport(fake), max_retries=0, **kw)
+def _client(fake, url="http://vllm:8000", **kw):
+    return VLLMClient(url, transport=httpx.MockTransport(fake), max_retries=0, **kw)
 
 
 def test_backend_names_match_the_config_list():
@@ -269,3 +282,83 @@ def test_config_accepts_vllm_and_checks_what_vllm_cannot_do():
     cfg.trainer.pipeline_model_parallel_size = 2
     with pytest.raises(ConfigError, match="one weight-transfer group"):
         _check_vllm(cfg)
+
+
+def test_flush_cache_reports_vllms_refusal():
+    fake = FakeVLLM()
+    c = _client(fake)
+    assert c.flush_cache() == "{'success': True}"
+    fake.flush_ok = False  # vLLM 0.33: blocks still held (running requests)
+    with pytest.raises(RolloutServerError, match="refused") as e:
+        c.flush_cache()
+    assert e.value.status_code == 400
+
+
+def test_sleep_levels_and_the_level2_guard():
+    """Case N13: level 2 only with the reload promise; no generation until the reload finished."""
+    fake = FakeVLLM()
+    c = _client(fake, url="http://vllm-sleep-a:8000")
+    with pytest.raises(ValueError, match="N13"):
+        c.sleep(level=2)
+    for bad in (3, -1, True):
+        with pytest.raises(ValueError, match="0, 1 or 2"):
+            c.sleep(level=bad)
+    with pytest.raises(ValueError, match="mode"):
+        c.sleep(mode="retract")
+    assert fake.calls == []  # nothing refused was sent
+    assert c.sleep() == {"status": "sleeping", "level": 1}
+    assert fake.calls[-1][:3] == ("POST", "/sleep", {"level": "1", "mode": "abort"})
+    assert c.is_sleeping() is True
+    with pytest.raises(RolloutServerError, match="kv_cache, weights not awake") as e:
+        c.generate([1], {}, "r-asleep")
+    assert e.value.status_code == 503 and fake.calls[-1][1] == "/is_sleeping"  # not sent
+    assert c.wake_up() == {"status": "awake", "tags": None}
+    assert fake.calls[-1][1:3] == ("/wake_up", {})
+    c.generate([1], {}, "r-awake")
+    assert c.sleep(level=2, will_reload_weights=True, mode="keep")["level"] == 2
+    assert fake.calls[-1][2] == {"level": "2", "mode": "keep"}
+    c.wake_up()
+    other = _client(fake, url="http://vllm-sleep-a:8000/")  # a second client of that server (the rollout's)
+    with pytest.raises(RolloutServerError, match="level 2") as e:
+        other.generate([1], {}, "r-l2")
+    assert e.value.status_code == 409 and fake.calls[-1][1] == "/wake_up"
+    c.begin_weight_update()
+    c.update_weights_from_distributed(["w"], ["float32"], [[1]])
+    c.end_weight_update(weight_version="2")  # the promised reload
+    other.generate([1], {}, "r-reloaded")
+    assert fake.calls[-1][1] == "/v1/completions"
+    assert _client(fake, url="http://vllm-sleep-b:8000").sleep(level=0) == {"status": "sleeping", "level": 0}
+
+
+def test_staged_wake_sends_repeated_tags_and_holds_generation():
+    fake = FakeVLLM()
+    c = _client(fake, url="http://vllm-sleep-c:8000")
+    c.sleep(level=1)
+    assert c.wake_up(["weights"]) == {"status": "sleeping", "tags": ["weights"]}
+    method, path, _, _ = fake.calls[-1]
+    assert (method, path) == ("POST", "/wake_up")
+    with pytest.raises(RolloutServerError, match="kv_cache not awake"):
+        c.generate([1], {}, "r-staged")
+    assert c.wake_up(["kv_cache"])["status"] == "awake"
+    c.generate([1], {}, "r-after")
+    for bad in ([], ["weight"], ["kv_cache", "gpu"]):
+        with pytest.raises(ValueError, match="tags"):
+            c.wake_up(bad)
+    c.sleep(level=1)
+    assert c.wake_up(["weights", "kv_cache"])["status"] == "awake"
+    assert c.is_sleeping() is False
+
+
+def test_wake_up_query_repeats_tags():
+    seen = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(str(request.url))
+        return httpx.Response(200, json={"status": "awake", "tags": request.url.params.get_list("tags")})
+
+    c = VLLMClient("http://vllm-sleep-d:8000", transport=httpx.MockTransport(handler), max_retries=0)
+    c.wake_up(["weights", "kv_cache"])
+    assert seen == ["http://vllm-sleep-d:8000/wake_up?tags=weights&tags=kv_cache"]
+    with pytest.raises(RolloutServerError, match="0.33"):
+        VLLMClient("http://vllm-sleep-e:8000", max_retries=0, transport=httpx.MockTransport(
+            lambda r: httpx.Response(200, json={"is_sleeping": "yes"}))).is_sleeping()
