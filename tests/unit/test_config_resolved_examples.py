@@ -4,7 +4,7 @@ the config restructuring (fixtures/example_configs_resolved.json, written by the
 Changed since on purpose (issue 19): `algorithm.daa` gained `amplification` and `history_decay`, and
 its defaults and the DA3PO recipes became the paper's rule (`factor: constant`, `difficulty: group`);
 `trainer.max_generated_tokens` (default 0) is new; `rollout.vllm_python` and `rollout.vllm_extra_args`
-are new (issue 18)."""
+are new (issue 18); `rollout.pause_mode` and `rollout.partial_rollout` are new (issue 16)."""
 
 import json
 from pathlib import Path
