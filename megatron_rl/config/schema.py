@@ -170,6 +170,17 @@ class RolloutConfig:
     weights by IPC handles (`/update_weights_from_tensor`; shared-memory tensors on CPU). Needs
     `trainer.max_staleness: 0` and `rollout.backend` embedded or sglang. Default false.
     verl: `actor_rollout_ref.hybrid_engine`; slime: `--colocate`."""
+    pause_mode: str = "abort"
+    """How a weight update pauses engines that are generating (asynchronous training,
+    ALGORITHMS.md section 8): `abort` (default; unfinished requests end and are resubmitted after
+    the update, see `rollout.partial_rollout`) or `in_place` (they stay frozen with their KV cache
+    and continue on the new weights; their tokens then span two versions). The synchronous step
+    always pauses with `abort` and has nothing in flight."""
+    partial_rollout: bool = False
+    """With `rollout.pause_mode: abort`: resubmit a request aborted by a weight update with the
+    tokens it already generated (prompt + prefix, the remaining `max_new_tokens`; its tokens then
+    span two versions). False (default): resubmit it from scratch. Requests aborted as too stale
+    always start again from scratch."""
 
     def __post_init__(self) -> None:
         _choice("rollout", "backend", self.backend, tuple(ROLLOUT_BACKEND_PORTS))
@@ -187,6 +198,10 @@ class RolloutConfig:
         _positive("rollout", "tp_size", self.tp_size)
         _positive("rollout", "over_sampling_batch_size", self.over_sampling_batch_size, allow_zero=True)
         _positive("rollout", "max_server_restarts", self.max_server_restarts, allow_zero=True)
+        _choice("rollout", "pause_mode", self.pause_mode, ("abort", "in_place"))
+        if self.partial_rollout and self.pause_mode != "abort":
+            raise ConfigError("rollout.partial_rollout: true needs rollout.pause_mode: abort (with in_place nothing "
+                              "is aborted by an update, so there is no prefix to resubmit); set one of them")
         if self.mem_fraction_static is not None and not 0.0 < self.mem_fraction_static < 1.0:
             raise ConfigError(f"rollout.mem_fraction_static: {self.mem_fraction_static!r} must be in (0, 1) or null")
         if self.server_ports:

@@ -50,7 +50,8 @@ from megatron_rl.weight_sync.buckets import dtype_name
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ServerState", "build_app"]
+__all__ = ["ServerState", "build_app", "close_session", "open_session", "pause_engine", "receive_update",
+           "release_hold", "resume_engine", "start_update", "with_write_lock"]
 
 _OPEN_PATHS = {"/health", "/health_generate", "/ready", "/metrics"}
 _NORMAL_PATHS = {"/generate", "/model_info", "/get_model_info", "/server_info", "/get_server_info"}
@@ -174,7 +175,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/health_generate")
     async def health_generate():
-        if engine.paused or state.lock.writer_active:
+        if engine.paused or engine.held or state.lock.writer_active:
             return Response(status_code=200)
         probe = _Prompt([0], SamplingParams(max_new_tokens=1, temperature=0.0), f"HEALTH_CHECK_{uuid.uuid4().hex}")
         try:
@@ -281,6 +282,10 @@ def response_of(req: GenRequest) -> dict:
         "cached_tokens": 0,
         "num_retractions": req.num_retractions,
         "weight_version": req.weight_version,
+        # SGLang 0.5.23's per-token spans (sglang/srt/utils/weight_versions.py): every finished request
+        # has at least one; a request that made no token gets its version at finish over [0, 0)
+        "weight_versions": [{"version": v, "start": a, "end": b} for v, a, b in req.version_spans]
+        or [{"version": req.weight_version, "start": 0, "end": 0}],
         "e2e_latency": time.monotonic() - req.created_s,
     }
     if req.return_logprob:
@@ -399,13 +404,14 @@ def _add_control_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/pause_generation")
     async def pause_generation(request: Request):
         body = await parse_body(request, PauseBody)
-        await state.in_control_thread(engine.pause, body.mode)
+        await pause_engine(state, body.mode)
         return ok("Generation paused")
 
     @app.post("/continue_generation")
     async def continue_generation(request: Request):
         await parse_body(request, ContinueBody)
-        engine.resume()
+        if not await resume_engine(state):
+            return ok("Generation continues once the open weight-update session ends")
         return ok("Generation continued")
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
@@ -466,16 +472,85 @@ def _add_group_routes(app: FastAPI, state: ServerState) -> None:
         return ok("Succeeded to destroy custom process group.")
 
 
+async def pause_engine(state: ServerState, mode: str) -> None:
+    """Pause the engine (returns at a step boundary), then wake an update waiting for the requests
+    in flight: it no longer has to (case N10 B)."""
+    await state.in_control_thread(state.engine.pause, mode)
+    await state.lock.wake()
+
+
+async def resume_engine(state: ServerState) -> bool:
+    """Resume after a pause; answers only once no weight-update session is open (at most
+    ``--weight-sync-timeout-s``), so generation never resumes on half-updated weights (case N10 C).
+    Returns False when the session was still open at the timeout (generation resumes when it ends)."""
+    state.engine.resume()
+    timeout = float(getattr(state.args, "weight_sync_timeout_s", 600.0))
+    return await state.in_control_thread(state.engine.wait_unheld, timeout)
+
+
 async def with_write_lock(state: ServerState, fn, abort_all: bool = False):
     """Run ``await fn()`` holding the model-update write lock (after aborting every request when
-    ``abort_all``); it waits for the generation requests in flight unless the engine is paused."""
+    ``abort_all``); it waits for the generation requests in flight unless the engine is paused or
+    held by an open update session, including when the pause arrives while it waits."""
     if abort_all:
         await state.in_control_thread(lambda: state.engine.abort("", True))
-    await state.lock.acquire_write(wait_for_readers=not state.engine.paused)
+    await state.lock.acquire_write(skip_readers=lambda: state.engine.paused or state.engine.held)
     try:
         return await fn()
     finally:
         await state.lock.release_write()
+
+
+async def open_session(state: ServerState, selector: str) -> None:
+    """Open the update session (under the write lock). Raises ``SessionError`` when it refuses."""
+    state.session.begin(selector)
+
+
+async def start_update(state: ServerState, **kwargs):
+    """``UpdateSession.start_update(**kwargs)``; a refusal also ends the hold (``receive_update``).
+
+    Raises:
+        SessionError: the call is refused (answered at once, before the lock and any broadcast).
+    """
+    try:
+        return state.session.start_update(**kwargs)
+    except SessionError:
+        await release_hold(state)
+        raise
+
+
+async def receive_update(state: ServerState, call) -> None:
+    """Receive and write one update call (under the write lock). From the first call of a session
+    until ``close_session`` the scheduler runs no step (``GenerationEngine.hold``), so no forward
+    sees a half-applied multi-bucket update (case N10 C); a failed or refused call ends the hold
+    early: the weights are then labelled ``+partial`` where they are, and served so.
+
+    Raises:
+        SessionError: the session refused the tensors or the receive failed.
+    """
+    await state.in_control_thread(state.engine.hold)
+    try:
+        await state.in_control_thread(state.session.receive, call)
+    except BaseException:
+        await release_hold(state)
+        raise
+
+
+async def release_hold(state: ServerState) -> None:
+    """Let the scheduler step again and wake those waiting on it."""
+    state.engine.release_hold()
+    await state.lock.wake()
+
+
+async def close_session(state: ServerState, weight_version: str | None = None) -> None:
+    """Close the update session, label the weights ``weight_version`` when given (vLLM's dialect
+    labels them here; the weights are one version again), then let the scheduler step again.
+    Raises ``SessionError`` when no session is open (nothing changed)."""
+    state.session.end()
+    if weight_version is not None:
+        state.engine.weight_version = weight_version
+        state.session.wrote = False
+    await release_hold(state)
 
 
 def _add_update_routes(app: FastAPI, state: ServerState) -> None:
@@ -486,7 +561,7 @@ def _add_update_routes(app: FastAPI, state: ServerState) -> None:
         body = await parse_body(request, BeginBody)
 
         async def run():
-            session.begin(body.selector)
+            await open_session(state, body.selector)
             return ok("Weight update session started")
 
         return await with_write_lock(state, run)
@@ -496,7 +571,7 @@ def _add_update_routes(app: FastAPI, state: ServerState) -> None:
         await parse_body(request, EmptyBody)
 
         async def run():
-            session.end()
+            await close_session(state)
             return ok("Weight update session ended")
 
         return await with_write_lock(state, run)
@@ -504,13 +579,14 @@ def _add_update_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: Request):
         body = await parse_body(request, UpdateDistBody)
-        call = session.start_update(  # refusals answer at once, before the lock and any broadcast
+        call = await start_update(  # refusals answer at once, before the lock and any broadcast
+            state,
             names=body.names, dtypes=body.dtypes, shapes=body.shapes, group_name=body.group_name,
             load_format=body.load_format, selector=body.selector, weight_version=body.weight_version,
         )
 
         async def run():
-            await state.in_control_thread(session.receive, call)
+            await receive_update(state, call)
             if body.flush_cache:
                 can, why = engine.can_flush()
                 if not can:

@@ -11,7 +11,10 @@ matmuls (about 1e-7 in the logits; a token can flip only at a near-tie). With ``
 (``--enable-deterministic-inference``) every request runs in a batch of its own, which makes the
 results bitwise independent of what else is in flight (slower).
 
-The weights are only written between decoding steps (``GenerationEngine.model_lock``).
+The weights are only written between decoding steps (``GenerationEngine.model_lock``), and no step
+runs from the first update call of a weight-update session to its end (``hold`` / ``release_hold``):
+a multi-bucket update is never seen half applied. Every request records the weight version each of its tokens was sampled
+under (``Request.version_spans``; the prefill counts toward the first token's version).
 """
 
 from __future__ import annotations
@@ -54,7 +57,18 @@ class Request:
     abort_requested: bool = False
     num_retractions: int = 0
     weight_version: str = ""
+    version_spans: list[list] = field(default_factory=list)
+    """``[version, start, end]`` over output token indices, one per version the tokens were sampled
+    under, in order (SGLang 0.5.23's ``meta_info.weight_versions``)."""
     created_s: float = field(default_factory=time.monotonic)
+
+    def note_token(self, version: str) -> None:
+        """Count the token just appended to ``output_ids`` as sampled under ``version``."""
+        n = len(self.output_ids)
+        if self.version_spans and self.version_spans[-1][0] == version:
+            self.version_spans[-1][2] = n
+        else:
+            self.version_spans.append([version, n - 1, n])
 
 
 @dataclass(eq=False)
@@ -79,6 +93,11 @@ class GenerationEngine:
         max_batch_size: most sequences decoded together.
         random_seed: seeds the per-request seeds of requests without ``sampling_seed``.
         deterministic: run each request in a batch of its own (bitwise batch invariance).
+        weight_version: the initial version label.
+        on_forward: called on the scheduler thread with ``"prefill"`` or ``"decode"`` right before
+            every model forward, under ``model_lock`` (tests record what each forward sees; see
+            ``megatron_rl.engine.test_hooks``). None in normal use.
+        step_delay_s: seconds slept before every step, outside the lock (tests only: slow decoding).
     """
 
     def __init__(
@@ -90,6 +109,8 @@ class GenerationEngine:
         random_seed: int = 0,
         deterministic: bool = False,
         weight_version: str = "default",
+        on_forward: Callable[[str], None] | None = None,
+        step_delay_s: float = 0.0,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -108,6 +129,9 @@ class GenerationEngine:
         self._prefilling: list[Request] = []
         self._paused = False
         self._pause_mode = "abort"
+        self._held = False
+        self.on_forward = on_forward
+        self.step_delay_s = step_delay_s
         self._stepping = False
         self._stopping = False
         self._seed_rng = random.Random(random_seed)
@@ -192,6 +216,30 @@ class GenerationEngine:
         """True between ``pause`` and ``resume``."""
         return self._paused
 
+    def hold(self) -> None:
+        """Run no step until ``release_hold`` (a weight-update session has written weights); returns
+        at a step boundary. Aborts are still applied while held."""
+        with self._cv:
+            self._held = True
+            self._cv.notify_all()
+        self._wait_boundary()
+
+    def release_hold(self) -> None:
+        """Let the scheduler step again (the weight-update session ended or failed)."""
+        with self._cv:
+            self._held = False
+            self._cv.notify_all()
+
+    @property
+    def held(self) -> bool:
+        """True between ``hold`` and ``release_hold``."""
+        return self._held
+
+    def wait_unheld(self, timeout_s: float) -> bool:
+        """Block until no hold is on (at most ``timeout_s`` seconds); returns whether none is."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._held, timeout=timeout_s)
+
     def can_flush(self) -> tuple[bool, str]:
         """Whether the KV cache may be flushed now, and why not (SGLang's rule)."""
         with self._cv:
@@ -275,7 +323,8 @@ class GenerationEngine:
 
     def _finish(self, req: Request, reason: dict[str, Any]) -> None:
         req.finish_reason = reason
-        req.weight_version = self.weight_version
+        # SGLang: the version of the last token (the current one when no token was made)
+        req.weight_version = req.version_spans[-1][0] if req.version_spans else self.weight_version
         try:
             req.on_done(req)
         except Exception:  # the HTTP side went away; the scheduler must go on
@@ -314,7 +363,7 @@ class GenerationEngine:
                 self._batch = None
             if done:
                 return done, None, False
-            if not self._paused:
+            if not self._paused and not self._held:
                 running = len(self._batch.reqs) if self._batch is not None else 0
                 room = self.max_batch_size - running if (running == 0 or self._mergeable) else 0
                 if self._queue and room > 0:  # new requests join at this step boundary
@@ -337,6 +386,8 @@ class GenerationEngine:
                 return
             if done:
                 continue
+            if self.step_delay_s > 0:
+                time.sleep(self.step_delay_s)
             try:
                 with self.model_lock, torch.no_grad():
                     finished = self._prefill(new_reqs) if new_reqs is not None else self._decode()
@@ -400,6 +451,8 @@ class GenerationEngine:
         return a
 
     def _forward(self, input_ids, attention_mask, position_ids, cache, logits_to_keep):
+        if self.on_forward is not None:
+            self.on_forward("prefill" if cache.get_seq_length() == 0 else "decode")
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
@@ -473,6 +526,7 @@ class GenerationEngine:
             )
             req.output_ids.append(token)
             req.output_logprobs.append(float(logp[i, token]))
+            req.note_token(self.weight_version)
             b.next_input[i, 0] = token
             if token in stop_ids:
                 finished.append((req, {"type": "stop", "matched": token}))

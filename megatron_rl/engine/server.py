@@ -19,7 +19,7 @@ import torch
 from megatron_rl.engine.app import ServerState, build_app
 from megatron_rl.engine.batching import GenerationEngine
 from megatron_rl.weight_sync.session import UpdateSession
-from megatron_rl.engine.test_hooks import FAULT_REFUSE_UPDATES_ENV, refused_update_calls
+from megatron_rl.engine.test_hooks import FAULT_REFUSE_UPDATES_ENV, forward_recorder, refused_update_calls, step_delay_s
 from megatron_rl.weight_sync.buckets import dtype_from_name
 
 logger = logging.getLogger(__name__)
@@ -190,6 +190,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         random_seed=args.random_seed,
         deterministic=args.enable_deterministic_inference,
         weight_version=args.weight_version,
+        on_forward=forward_recorder(model),
+        step_delay_s=step_delay_s(),
     )
     session = UpdateSession(engine, group_timeout_s=args.weight_sync_timeout_s, refused_calls=refused_update_calls(),
                             refused_by=FAULT_REFUSE_UPDATES_ENV)

@@ -3,14 +3,19 @@
 The trainer's recovery paths (a refused bucket, a sync retried, a group re-created) are hard to
 reach with a healthy server; the variables below make the server fail on purpose, so that the
 end-to-end tests (tests/e2e/test_weight_sync.py, tests/e2e/test_sync_faults.py) can reach them.
-They are read once, when the server starts (``refused_update_calls``).
+They are read once, when the server starts (``refused_update_calls``, ``step_delay_s``,
+``forward_recorder``).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import threading
+from collections.abc import Callable
 
-__all__ = ["FAULT_REFUSE_UPDATES_ENV", "refused_update_calls"]
+__all__ = ["FAULT_REFUSE_UPDATES_ENV", "FORWARD_LOG_ENV", "STEP_DELAY_ENV", "forward_recorder",
+           "refused_update_calls", "step_delay_s"]
 
 FAULT_REFUSE_UPDATES_ENV = "MEGATRON_RL_FAULT_REFUSE_WEIGHT_UPDATES"
 """Fault injection, for tests of the trainer's sync retry: a comma-separated list of 1-based
@@ -34,3 +39,53 @@ def refused_update_calls() -> frozenset[int]:
     if any(c < 1 for c in calls):
         raise ValueError(f"{FAULT_REFUSE_UPDATES_ENV}={raw!r}: call numbers start at 1")
     return calls
+
+
+STEP_DELAY_ENV = "MEGATRON_RL_TEST_STEP_DELAY_S"
+"""Tests only: seconds the scheduler sleeps before every generation step (a slow decode, so that a
+pause or an update reliably lands while a request is running). Unset in normal use."""
+
+FORWARD_LOG_ENV = "MEGATRON_RL_TEST_FORWARD_LOG"
+"""Tests only: a file to which the server appends one JSON line per model forward,
+``{"kind": "prefill"|"decode", "layers": [sum of layer 0's first parameter, ...]}``, read under the
+model lock right before the forward: a test that knows each version's weights tells which version
+of every layer each forward saw (case N10 C: never a half-applied update). Unset in normal use."""
+
+
+def step_delay_s() -> float:
+    """The value of ``STEP_DELAY_ENV`` in seconds (0 when unset).
+
+    Raises:
+        ValueError: not a number >= 0 (the message names the variable).
+    """
+    raw = os.environ.get(STEP_DELAY_ENV, "").strip()
+    try:
+        value = float(raw) if raw else 0.0
+    except ValueError:
+        raise ValueError(f"{STEP_DELAY_ENV}={raw!r}: expected seconds, e.g. 0.005") from None
+    if value < 0:
+        raise ValueError(f"{STEP_DELAY_ENV}={raw!r}: must be >= 0")
+    return value
+
+
+def forward_recorder(model) -> Callable[[str], None] | None:
+    """The ``on_forward`` hook that writes ``FORWARD_LOG_ENV`` lines for ``model`` (an HF causal LM
+    whose decoder layers are ``*.layers.<k>.*``), or None when the variable is unset."""
+    path = os.environ.get(FORWARD_LOG_ENV, "").strip()
+    if not path:
+        return None
+    firsts: dict[int, object] = {}
+    for name, param in model.named_parameters():
+        parts = name.split(".")
+        if "layers" in parts:
+            k = int(parts[parts.index("layers") + 1])
+            firsts.setdefault(k, param)
+    probes = [firsts[k] for k in sorted(firsts)]
+    lock = threading.Lock()
+
+    def record(kind: str) -> None:
+        line = json.dumps({"kind": kind, "layers": [float(p.detach().double().sum()) for p in probes]})
+        with lock, open(path, "a") as f:
+            f.write(line + "\n")
+
+    return record

@@ -40,7 +40,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from megatron_rl.engine.app import ServerState, _Prompt, run_requests, with_write_lock
+from megatron_rl.engine.app import (
+    ServerState,
+    _Prompt,
+    close_session,
+    open_session,
+    pause_engine,
+    receive_update,
+    resume_engine,
+    run_requests,
+    start_update,
+    with_write_lock,
+)
 from megatron_rl.engine.bodies import RequestError, validation_text
 from megatron_rl.engine.sampling import parse_sampling_params
 from megatron_rl.weight_sync.session import SessionError
@@ -281,12 +292,12 @@ def build_vllm_app(state: ServerState) -> FastAPI:
         if mode == "wait" or wait_for_inflight_requests:
             while engine.counts() != (0, 0):  # let the requests in flight finish, then freeze the rest
                 await asyncio.sleep(0.05)
-        await state.in_control_thread(engine.pause, "abort" if mode == "abort" else "in_place")
+        await pause_engine(state, "abort" if mode == "abort" else "in_place")
         return JSONResponse({"status": "paused"})
 
     @app.post("/resume")
     async def resume():
-        engine.resume()
+        await resume_engine(state)  # answers once no weight update is half applied (case N10 C)
         return JSONResponse({"status": "resumed"})
 
     @app.get("/is_paused")
@@ -358,7 +369,7 @@ def build_vllm_app(state: ServerState) -> FastAPI:
     @app.post("/start_weight_update")
     async def start_weight_update():
         async def run():
-            session.begin("all")
+            await open_session(state, "all")
             return JSONResponse({"message": "Weight update started"})
 
         return await with_write_lock(state, run)
@@ -366,7 +377,7 @@ def build_vllm_app(state: ServerState) -> FastAPI:
     @app.post("/start_draft_weight_update")
     async def start_draft_weight_update():
         async def run():
-            session.begin("draft")  # refused: no draft model
+            await open_session(state, "draft")  # refused: no draft model
             return JSONResponse({"message": "Draft weight update started"})
 
         return await with_write_lock(state, run)
@@ -377,11 +388,11 @@ def build_vllm_app(state: ServerState) -> FastAPI:
         if data.get("update_info") is None:
             return error("Missing 'update_info' in request body")
         info = _parse(UpdateInfo, data["update_info"], "update_info")
-        call = session.start_update(names=info.names, dtypes=info.dtype_names, shapes=info.shapes,
-                                    group_name=GROUP_NAME, load_format=None)
+        call = await start_update(state, names=info.names, dtypes=info.dtype_names, shapes=info.shapes,
+                                  group_name=GROUP_NAME, load_format=None)
 
         async def run():
-            await state.in_control_thread(session.receive, call)
+            await receive_update(state, call)
             return JSONResponse({"message": "Weights updated"})
 
         return await with_write_lock(state, run)
@@ -391,11 +402,8 @@ def build_vllm_app(state: ServerState) -> FastAPI:
         version = (await _json_body(request, optional=True)).get("weight_version")
 
         async def run():
-            session.end()
+            await close_session(state, None if version is None else str(version))
             sleeping["lost_weights"] = False  # N13: the caller reloaded the weights
-            if version is not None:
-                engine.weight_version = str(version)
-                session.wrote = False  # one version again
             return JSONResponse({"message": "Weight update finished"})
 
         return await with_write_lock(state, run)

@@ -29,7 +29,8 @@ from megatron_rl.rollout.engine import RolloutEngine
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GenerateRequest", "GenerateResult", "HTTPEngineClient", "RolloutClient", "StopReason"]
+__all__ = ["GenerateRequest", "GenerateResult", "HTTPEngineClient", "RolloutClient", "StopReason",
+           "parse_weight_versions"]
 
 StopReason = Literal["eos", "stop_token", "stop_string", "length", "abort"]
 
@@ -48,8 +49,17 @@ class GenerateResult:
         stop_reason: where the end came from: ``eos`` | ``stop_token`` | ``stop_string`` |
             ``length`` | ``abort``.
         prompt_tokens, completion_tokens: token counts from ``meta_info``.
-        weight_version: label of the weights that produced the response.
+        weight_version: label of the weights that produced the response (SGLang: of its last token).
         abort_message: ``finish_reason.message`` of an aborted request, else None.
+        weight_versions: the server's per-token spans as ``(label, first token index)``, from
+            SGLang 0.5.23's ``meta_info.weight_versions`` (the embedded server reports them too);
+            None when the server reported none.
+        abort_status_code: ``finish_reason.status_code`` of an aborted request (a server-side
+            failure carries one; a pause or ``/abort_request`` does not), else None.
+        version_spans: integer ``(version, first token index)`` spans resolved by the rollout
+            manager (``megatron_rl.rollout.live``); empty as the client returns it.
+        resubmissions: times the rollout manager resubmitted the request after a pause or a
+            staleness abort (its tokens may come from several requests).
     """
 
     rid: str
@@ -62,6 +72,10 @@ class GenerateResult:
     completion_tokens: int
     weight_version: str | None
     abort_message: str | None = None
+    weight_versions: tuple[tuple[str, int], ...] | None = None
+    abort_status_code: int | None = None
+    version_spans: tuple[tuple[int, int], ...] = ()
+    resubmissions: int = 0
 
     @classmethod
     def from_sglang(
@@ -122,12 +136,13 @@ class GenerateResult:
             raise RolloutServerError(f"/generate answer for {rid!r} has finish_reason null (unfinished)", body=response)
         ftype = finish.get("type")
         matched = finish.get("matched")
-        abort_message = None
+        abort_message = abort_status = None
         if ftype == "length":
             reason: StopReason = "length"
         elif ftype == "abort":
             reason = "abort"
             abort_message = finish.get("message")
+            abort_status = finish.get("status_code")
         elif ftype == "stop":
             if isinstance(matched, bool):
                 raise RolloutServerError(f"/generate answer for {rid!r}: matched={matched!r}", body=response)
@@ -157,7 +172,31 @@ class GenerateResult:
             completion_tokens=completion_tokens,
             weight_version=meta.get("weight_version"),
             abort_message=abort_message,
+            weight_versions=parse_weight_versions(meta.get("weight_versions"), completion_tokens, rid, response),
+            abort_status_code=abort_status if isinstance(abort_status, int) else None,
         )
+
+
+def parse_weight_versions(spans: Any, completion_tokens: int, rid: str,
+                          response: Any = None) -> tuple[tuple[str, int], ...] | None:
+    """SGLang 0.5.23's ``meta_info.weight_versions`` (``[{"version", "start", "end"}, ...]``) as
+    ``((label, start), ...)``; None when absent.
+
+    Raises:
+        RolloutServerError: the spans do not cover ``[0, completion_tokens)`` in order without gaps.
+    """
+    if spans is None:
+        return None
+    try:
+        out = tuple((str(sp["version"]), int(sp["start"]), int(sp["end"])) for sp in spans)
+    except (KeyError, TypeError, ValueError):
+        raise RolloutServerError(f"/generate answer for {rid!r}: malformed weight_versions {spans!r}",
+                                 body=response) from None
+    ends = [0] + [e for _, _, e in out]
+    if not out or any(s != ends[k] or e < s for k, (_, s, e) in enumerate(out)) or ends[-1] != completion_tokens:
+        raise RolloutServerError(f"/generate answer for {rid!r}: weight_versions {spans!r} do not cover its "
+                                 f"{completion_tokens} tokens in order", body=response)
+    return tuple((v, s) for v, s, _ in out)
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,8 @@ class RolloutEngine(abc.ABC):
     def generate(self, input_ids: list[int], sampling_params: dict[str, Any], rid: str, return_logprob: bool = True,
                  *, eos_token_ids: Iterable[int] | None = None, timeout_s: float | None = None):
         """Token ids in -> a `GenerateResult` (output ids, per-token log-probs, finish reason,
-        weight version). `sampling_params["sampling_seed"]` seeds the request."""
+        weight version, and the per-token version spans where the engine reports them:
+        `GenerateResult.weight_versions`). `sampling_params["sampling_seed"]` seeds the request."""
 
     @abc.abstractmethod
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
@@ -47,11 +48,18 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     def pause_generation(self, mode: Literal["abort", "retract", "in_place"] = "abort") -> dict:
-        """Stop scheduling; `abort` finishes running requests with finish type `abort`."""
+        """Stop scheduling; returns once no step runs. `abort` finishes the requests in flight with
+        finish type `abort` (their tokens so far); `in_place` freezes them with their KV cache (they
+        continue on whatever weights are loaded meanwhile); `retract` requeues them (KV recomputed).
+        A weight update waiting for running requests goes ahead once the engine is paused.
+        SGLang: `POST /pause_generation {"mode"}`; vLLM: `POST /pause?mode=abort|keep` (`retract`
+        and `in_place` are both `keep`)."""
 
     @abc.abstractmethod
     def continue_generation(self) -> dict:
-        """Resume after `pause_generation`."""
+        """Resume after `pause_generation`. The embedded server answers only once no weight-update
+        session is open, so generation never resumes on half-updated weights (case N10 C).
+        SGLang: `POST /continue_generation {}`; vLLM: `POST /resume`."""
 
     # ---- health and identity ----------------------------------------------------------------
     @abc.abstractmethod

@@ -24,6 +24,7 @@ import threading
 from collections.abc import Callable, Sequence
 
 from megatron_rl.rollout.client import RolloutClient
+from megatron_rl.rollout.live import GenerationGate
 from megatron_rl.errors import RolloutServerError
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,9 @@ class ServerFleet:
         self.restarts = 0
         self.membership_changed = False
         """True when the set of up servers changed since the weight-update group was last made."""
+        self.gate = GenerationGate()
+        """What the rollout manager and the weight publisher share about live updates (pauses, the
+        published version, requests in flight; ``megatron_rl.rollout.live``)."""
 
     def set_resync(self, resync: Callable[[list[RolloutClient]], None]) -> None:
         """Set the callback that re-creates the weight-update group and pushes the current weights."""

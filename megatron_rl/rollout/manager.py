@@ -4,12 +4,22 @@ Only the controller (trainer global rank 0) uses it. Each response is its own `/
 request with its own request id and `sampling_seed` derived from (run seed, step, generation
 batch, prompt index, response index); results are ordered by (generation batch, prompt index,
 response index), never by arrival.
+
+Live weight updates (ALGORITHMS.md section 8): a request aborted by a pause of the engines
+(`rollout.pause_mode: abort`) or as too stale before one is resubmitted once the engines continue,
+with its generated prefix when `rollout.partial_rollout` is on (stale ones always from scratch);
+the manager's own over-sampling aborts stay dropped. Every response records the integer weight
+versions its tokens came from (`Sample.weight_version_spans`, `megatron_rl.rollout.live`). A group
+with a member that failed for good (a server-side abort) is dropped as a whole, never returned
+short, and counted in `rollout/failed_groups`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
+import threading
 import time
 from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
@@ -21,6 +31,7 @@ import torch
 from megatron_rl.algorithms.reward_shaping import overlong_penalty
 from megatron_rl.data.dataset import PromptRow
 from megatron_rl.data.prompts import render_prompt_ids
+from megatron_rl.rollout.live import concat_spans, spans_of
 
 logger = logging.getLogger(__name__)
 
@@ -52,10 +63,28 @@ class Sample:
     overlong_penalty: float = 0.0
     advantage: float = 0.0
     extra_info: dict = field(default_factory=dict)
+    weight_version_spans: list[tuple[int, int]] = field(default_factory=list)
+    """`[(version, first token index), ...]`, oldest first: the trainer's weight versions the
+    response's tokens were sampled under (the prefill counts toward the first token's); a start of
+    -1 (`rollout.live.UNKNOWN_START`) means a server that reported only its final version, somewhere
+    after the previous span's start. Empty when no version is known."""
+    resubmissions: int = 0
+    """Times the request was resubmitted after a pause or a staleness abort."""
 
     @property
     def truncated(self) -> bool:
         return self.stop_reason == "length"
+
+    @property
+    def min_weight_version(self) -> int | None:
+        """The oldest weight version any token comes from (what staleness is measured by); None
+        when unknown."""
+        return min((v for v, _ in self.weight_version_spans), default=None)
+
+    @property
+    def max_weight_version(self) -> int | None:
+        """The newest weight version any token comes from; None when unknown."""
+        return max((v for v, _ in self.weight_version_spans), default=None)
 
 
 @dataclass
@@ -101,6 +130,10 @@ class RolloutManager:
         seed: run seed, mixed into every `sampling_seed`.
         max_concurrency: HTTP requests in flight in total.
         eos_token_ids: the tokenizer's EOS ids (tells an EOS stop from a stop-token stop, case B21).
+        partial_rollout: resubmit a request aborted by a pause with its generated prefix
+            (`rollout.partial_rollout`); False: from scratch.
+        pause_timeout_s: how long a request aborted by a pause waits for the engines to continue
+            before it counts as failed, seconds.
     """
 
     def __init__(
@@ -118,6 +151,8 @@ class RolloutManager:
         seed: int = 0,
         max_concurrency: int = 256,
         eos_token_ids: Sequence[int] = (),
+        partial_rollout: bool = False,
+        pause_timeout_s: float = 3600.0,
     ) -> None:
         from megatron_rl.rollout.fleet import ServerFleet
 
@@ -134,6 +169,11 @@ class RolloutManager:
         self.seed = seed
         self.max_concurrency = max_concurrency
         self.eos_token_ids = list(eos_token_ids) or None
+        self.partial_rollout = partial_rollout
+        self.pause_timeout_s = pause_timeout_s
+        self.gate = self.fleet.gate
+        self._own_aborts: set[str] = set()
+        self._own_lock = threading.Lock()
         self._prompt_cache: dict[str, list[int]] = {}
         self._executor = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="rollout")
 
@@ -188,7 +228,7 @@ class RolloutManager:
         results = [f.result() for f in futures]
         return [results[i * n : (i + 1) * n] for i in range(len(rows))]
 
-    def _generate_one(self, key: int, ids: list[int], params: dict, rid: str):
+    def _post_one(self, key: int, ids: list[int], params: dict, rid: str):
         """One `/generate` on the server picked for `key`; retried on a live server when it got no
         answer (the server died or hung; `ServerFleet.report_failure` recovers). An HTTP error answer
         is raised at once. The retry repeats the same rid and `sampling_seed`."""
@@ -205,10 +245,92 @@ class RolloutManager:
                 logger.info("retrying request %s (attempt %d)", rid, attempt + 2)
         raise RolloutServerError(f"request {rid} got no answer from any rollout server")
 
+    def generate_ids(self, ids: list[int], params: dict, rid: str, key: int = 0):
+        """One response to the prompt `ids` ([prompt length] token ids) with SGLang `params`
+        (`max_new_tokens` and `sampling_seed` included) as a `GenerateResult` whose `version_spans`
+        are set, resubmitted across live weight updates (module docstring): attempt k > 0 goes out
+        as `{rid}-a{k}`; a continuation (partial rollout) is sent as prompt + prefix with the
+        remaining `max_new_tokens` and its own seed, and the parts' tokens, log-probs and spans are
+        concatenated. Ends with finish type `abort` only for the manager's own aborts or a failure.
+
+        Raises:
+            RolloutServerError: no server answered, or one answered with an HTTP error.
+        """
+        done = None  # what earlier attempts made and keep (partial rollout)
+        attempt = 0
+        while True:
+            sub_rid, sub_ids, sub_params = rid, ids, params
+            if attempt:
+                sub_rid = f"{rid}-a{attempt}"
+                if done is not None:
+                    sub_ids, sub_params = self._continuation(ids, params, done, attempt)
+            gate = self.gate
+            epoch, submitted = gate.pause_epoch, gate.version
+            oldest = min((v for v, _ in done.version_spans), default=submitted) if done is not None else submitted
+            gate.register(sub_rid, oldest)
+            try:
+                res = self._post_one(key, sub_ids, sub_params, sub_rid)
+            finally:
+                gate.unregister(sub_rid)
+                stale = gate.pop_stale(sub_rid)  # marked while in flight (whatever the answer)
+            spans = spans_of(res.weight_versions, res.weight_version, submitted=submitted, published=gate.version)
+            res = dataclasses.replace(res, version_spans=tuple(spans), resubmissions=attempt)
+            if done is not None:
+                res = self._joined(done, res)
+            if res.finish_type != "abort":
+                return res
+            if self._own_abort(rid) or res.abort_status_code is not None or not (
+                    stale or gate.pause_epoch != epoch or gate.paused):
+                return res  # ours (dropped with its group) or a failure (the group is dropped)
+            if not gate.wait_resumed(self.pause_timeout_s):
+                logger.warning("request %s: the engines did not continue within %.0f s after a pause",
+                               rid, self.pause_timeout_s)
+                return res
+            keep = self.partial_rollout and not stale and res.output_ids
+            done = res if keep else None
+            attempt += 1
+            if done is not None and len(done.output_ids) >= int(params["max_new_tokens"]):
+                return dataclasses.replace(done, finish_type="length", stop_reason="length", abort_message=None,
+                                           matched_stop=None)
+
+    def _generate_one(self, key: int, ids: list[int], params: dict, rid: str):
+        return self.generate_ids(ids, params, rid, key)
+
+    @staticmethod
+    def _continuation(ids: list[int], params: dict, done, attempt: int) -> tuple[list[int], dict]:
+        """Prompt and params that continue `done`: the prefix appended, the remaining token budget."""
+        made = len(done.output_ids)
+        sub = dict(params, max_new_tokens=int(params["max_new_tokens"]) - made)
+        if params.get("min_new_tokens"):
+            sub["min_new_tokens"] = max(int(params["min_new_tokens"]) - made, 0)
+        if params.get("sampling_seed") is not None:  # a fresh stream: the prefix's draws are not replayed
+            sub["sampling_seed"] = derive_seed(params["sampling_seed"], "continue", attempt)
+        return list(ids) + list(done.output_ids), sub
+
+    @staticmethod
+    def _joined(done, res):
+        """`done` followed by its continuation `res` (ids, log-probs, spans concatenated)."""
+        logprobs = None
+        if done.output_logprobs is not None and res.output_logprobs is not None:
+            logprobs = list(done.output_logprobs) + list(res.output_logprobs)
+        made = len(done.output_ids)
+        spans = concat_spans(list(done.version_spans), made, list(res.version_spans)) if res.output_ids else \
+            list(done.version_spans)
+        return dataclasses.replace(
+            res, output_ids=list(done.output_ids) + list(res.output_ids), output_logprobs=logprobs,
+            prompt_tokens=done.prompt_tokens, completion_tokens=made + res.completion_tokens, weight_versions=None,
+            version_spans=tuple(spans))
+
+    def _own_abort(self, rid: str) -> bool:
+        with self._own_lock:
+            return any(rid.startswith(p) for p in self._own_aborts)
+
     def abort(self, rid_prefix: str) -> None:
         """`/abort_request` on every server that is up: every request whose rid starts with `rid_prefix`."""
         from megatron_rl.errors import RolloutServerError
 
+        with self._own_lock:  # before the abort lands: its results are told from a pause's
+            self._own_aborts.add(rid_prefix)
         for i in self.fleet.up_indices():
             try:
                 self.clients[i].abort_request(rid=rid_prefix)
@@ -242,6 +364,11 @@ class RolloutManager:
         the unfinished groups are dropped: partial responses are never returned, so never trained
         on. The finished groups come back in prompt order (kept or not; the caller filters again).
         Stats then add `rollout/aborted` (responses aborted) and `rollout/unfinished_groups`.
+
+        Always: a request aborted by a pause of the engines is resubmitted (`generate_ids`); a
+        group with a member that still ends aborted (a server-side failure) is dropped whole, never
+        returned short, and counted in `rollout/failed_groups`; `rollout/resubmitted` counts the
+        resubmissions.
         """
         if stop_after is not None:
             return self._generate_groups_until(rows, n=n, sampling_params=sampling_params, step=step,
@@ -251,10 +378,15 @@ class RolloutManager:
         results = self.generate(rows, n=n, sampling_params=sampling_params, tag=tag,
                                 seed_parts=(self.seed, step, gen_batch))
         t1 = time.perf_counter()
-        rewards = self.score(rows, results)
+        whole = [i for i, grp in enumerate(results) if all(r.finish_type != "abort" for r in grp)]
+        if len(whole) < len(rows):
+            logger.warning("dropped %d of %d groups with a failed response (never trained short): %s",
+                           len(rows) - len(whole), len(rows), _abort_messages(results))
+        rewards = self.score([rows[i] for i in whole], [results[i] for i in whole])
         t2 = time.perf_counter()
-        groups = self._build_groups(rows, results, rewards, tag, range(len(rows)))
-        return groups, {"timing/generate_s": t1 - t0, "timing/reward_s": t2 - t1}
+        groups = self._build_groups(rows, [results[i] for i in whole], rewards, tag, whole)
+        return groups, {"timing/generate_s": t1 - t0, "timing/reward_s": t2 - t1,
+                        "rollout/failed_groups": len(rows) - len(whole), "rollout/resubmitted": _resubmitted(results)}
 
     def _generate_groups_until(self, rows, *, n, sampling_params, step, gen_batch, stop_after, keep_fn):
         if keep_fn is None or stop_after < 1:
@@ -275,6 +407,7 @@ class RolloutManager:
         kept = 0
         reward_s = 0.0
         aborted_at = None
+        failed = 0
         pending = set(futures)
         while pending:
             done, pending = wait(pending, return_when=FIRST_COMPLETED)
@@ -288,8 +421,12 @@ class RolloutManager:
             if not ready:
                 continue
             ready.sort()
-            if any(r.finish_type == "abort" for i in ready for r in results[i]):
-                ready = [i for i in ready if all(r.finish_type != "abort" for r in results[i])]
+            if any(r.finish_type == "abort" for i in ready for r in results[i]):  # failed (ours come later)
+                whole = [i for i in ready if all(r.finish_type != "abort" for r in results[i])]
+                failed += len(ready) - len(whole)
+                logger.warning("dropped %d groups with a failed response (never trained short): %s",
+                               len(ready) - len(whole), _abort_messages([results[i] for i in ready]))
+                ready = whole
             tr = time.perf_counter()
             rewards = self.score([rows[i] for i in ready], [results[i] for i in ready])
             reward_s += time.perf_counter() - tr
@@ -306,7 +443,8 @@ class RolloutManager:
             logger.info("over-sampling: %d groups kept of %d finished; aborted %d responses of %d unfinished "
                         "groups (%.2f s to drain)", kept, len(groups), aborted, len(rows) - len(groups), t1 - aborted_at)
         return groups, {"timing/generate_s": t1 - t0 - reward_s, "timing/reward_s": reward_s,
-                        "rollout/aborted": aborted, "rollout/unfinished_groups": len(rows) - len(groups)}
+                        "rollout/aborted": aborted, "rollout/unfinished_groups": len(rows) - len(groups),
+                        "rollout/failed_groups": failed, "rollout/resubmitted": _resubmitted(results)}
 
     def _build_groups(self, rows, results, rewards, tag: str, indices) -> list[Group]:
         """Groups of the rows at `indices` (uids keep the prompt index in the batch)."""
@@ -342,7 +480,20 @@ class RolloutManager:
                         format_valid=rew.get("pred") is not None,
                         overlong_penalty=float(pen),
                         extra_info=dict(row.extra_info or {}),
+                        weight_version_spans=list(res.version_spans),
+                        resubmissions=res.resubmissions,
                     )
                 )
             groups.append(Group(prompt_key=row.prompt_key, group_uid=uid, samples=samples))
         return groups
+
+
+def _resubmitted(results: list[list]) -> int:
+    """Resubmissions over [P][n] results (None: never finished)."""
+    return sum(r.resubmissions for grp in results for r in grp if r is not None)
+
+
+def _abort_messages(results: list[list]) -> str:
+    """The distinct abort messages of [P][n] results, for a log line."""
+    return "; ".join(sorted({str(r.abort_message) for grp in results for r in grp
+                             if r is not None and r.finish_type == "abort"}))[:500]

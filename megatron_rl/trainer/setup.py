@@ -312,7 +312,8 @@ def _connect_controller(run: Run, stack: contextlib.ExitStack) -> None:
         max_prompt_length=cfg.data.max_prompt_length, max_response_length=cfg.data.max_response_length,
         correct_score=cfg.reward.correct_score, incorrect_score=cfg.reward.incorrect_score,
         overlong=(ob.enable, ob.len, ob.penalty_factor), seed=cfg.trainer.seed,
-        max_concurrency=r.max_concurrency, eos_token_ids=sorted(eos),
+        max_concurrency=r.max_concurrency, eos_token_ids=sorted(eos), partial_rollout=r.partial_rollout,
+        pause_timeout_s=cfg.weight_sync.timeout_s + r.timeout_s,
     )
     stack.callback(manager.close)
     run.producer = RolloutProducer(cfg, manager, run.dataset, run.tracker, pad_id=run.pad_id, dp_size=run.pgs.dp_size)
@@ -364,6 +365,6 @@ def build_run(cfg: Config, stack: contextlib.ExitStack, rank: int, t_start: floa
     run.publisher = WeightPublisher(
         run.model, run.hf_config, run.pgs, sender_factory=_sender_factory(cfg, run.engines, run.colocation),
         fleet=run.engines.fleet if run.is_controller else None,
-        check_checksums=cfg.weight_sync.check_checksums, run_dir=run_dir)
+        check_checksums=cfg.weight_sync.check_checksums, run_dir=run_dir, pause_mode=cfg.rollout.pause_mode)
     stack.callback(run.publisher.close)
     return run

@@ -17,6 +17,15 @@ One sync, collective over every trainer rank (typed messages, no sentinels):
   5. controller: close the session, flush, check every engine's version, continue.
 A failed attempt (any step) is retried once with every group re-created; a second failure raises
 `WeightSyncError` on every rank.
+
+Live mode (`publish(version, live=True)`, for a producer generating while the trainer trains): the
+controller first aborts the requests too stale to finish (`stale_below`; through the fleet's
+clients, each abort answered before any pause, case N10 D), then pauses with `rollout.pause_mode`
+(`abort`: requests in flight end aborted and the rollout manager resubmits them after the
+continue; `in_place`: they stay frozen and continue on the new weights, their KV cache kept, so a
+flush refused for them is not an error), updates, flushes and continues. Both modes tell the fleet's `GenerationGate` (when there is one)
+when the pause begins and ends and which version the engines hold (before the continue). The
+default path (`live=False`) sends exactly the synchronous sync's calls.
 """
 
 from __future__ import annotations
@@ -82,10 +91,13 @@ class WeightPublisher:
         fleet: the controller's `ServerFleet` (None on other ranks).
         check_checksums: verify every tensor on every engine after each sync (slow; tests/debug).
         run_dir: named in the error that stops the run.
+        pause_mode: how a live update pauses the engines (`rollout.pause_mode`): `abort` or `in_place`.
     """
 
     def __init__(self, model, hf_config: dict, pgs, *, sender_factory, fleet=None,
-                 check_checksums: bool = False, run_dir=None) -> None:
+                 check_checksums: bool = False, run_dir=None, pause_mode: str = "abort") -> None:
+        if pause_mode not in ("abort", "in_place"):
+            raise ValueError(f"pause_mode must be 'abort' or 'in_place', got {pause_mode!r}")
         self.model = model
         self.hf_config = hf_config
         self.pgs = pgs
@@ -96,6 +108,9 @@ class WeightPublisher:
         self.is_controller = pgs.rank == 0
         self.in_first_replica = pgs.dp_rank == 0 and pgs.cp_rank == 0
         self.is_source = self.in_first_replica and pgs.tp_rank == 0
+        self.pause_mode = pause_mode
+        self._live: tuple[bool, int | None] = (False, None)
+        self._stale_aborted = 0
         self.sender = None
         self._urls: tuple[str, ...] = ()
         self._expected: dict = {}
@@ -111,11 +126,19 @@ class WeightPublisher:
         return [rank for _, rank in sorted(x for x in everyone if x is not None)]
 
     # ------------------------------------------------------------------ the controller's side
-    def publish(self, version: int) -> dict:
+    def publish(self, version: int, *, live: bool = False, stale_below: int | None = None) -> dict:
         """Controller: run the sync to `version` (retried once); other ranks: follow it.
 
+        Args:
+            version: the weight version the engines will hold.
+            live: generation may be in flight (the asynchronous producer): pause with
+                `pause_mode` (module docstring). False: the synchronous sync's calls exactly.
+            stale_below: live only: abort first, and have resubmitted from scratch, the requests
+                in flight whose oldest weight version is below this (e.g. `version - max_staleness`);
+                None: abort none. Only the controller's value counts.
+
         Returns the controller's metrics (`weight_sync/*`, `rollout/server_restarts`,
-        `rollout/servers_up`); {} on other ranks.
+        `rollout/servers_up`, with `live`: `weight_sync/stale_aborted`); {} on other ranks.
 
         Raises:
             WeightSyncError: the sync failed twice (every rank raises it; the newest checkpoint
@@ -125,6 +148,8 @@ class WeightPublisher:
         """
         if not self.is_controller:
             return self.follow(receive_from_controller(self.pgs))
+        self._live = (live, stale_below if live else None)
+        self._stale_aborted = 0
         error = None
         for attempt in (1, 2):
             try:
@@ -235,12 +260,37 @@ class WeightPublisher:
             return f"stage {self.pgs.pp_rank}: {type(e).__name__}: {e}"  # leave the others in a collective)
         return None
 
+    @property
+    def _gate(self):
+        """The fleet's `GenerationGate` (None without a fleet or one)."""
+        return getattr(self.fleet, "gate", None)
+
     def _open_session(self) -> str | None:
+        live, stale_below = self._live
+        gate = self._gate
+        stale = gate.take_stale(stale_below) if gate is not None and stale_below is not None else []
+        self._stale_aborted += len(stale)
+        if gate is not None:
+            gate.begin_pause()
+        if stale:
+            self._abort_stale(stale)
         try:
-            self.sender.begin_update()
+            self.sender.begin_update(self.pause_mode if live else "abort")
         except WeightSyncError as e:
             return str(e)
         return None
+
+    def _abort_stale(self, rids: list[str]) -> None:
+        """Abort `rids` on every engine that is up, each abort answered before this returns (so
+        before any pause, case N10 D), through the fleet's clients: the ones that sent them (a vLLM
+        client aborts only the requests it knows). A failed abort is logged: that engine's requests
+        fail with it."""
+        for client in self.fleet.up_clients():
+            for rid in rids:
+                try:
+                    client.abort_request(rid)
+                except RolloutServerError as e:
+                    logger.warning("aborting stale request %s on %s failed: %s", rid, client.base_url, e)
 
     def _send_stage(self, stage: int, plan: SyncPlan) -> StageReport:
         """This stage's source: send the stage's tensors (the TP peers gather along in `_take_part`)."""
@@ -273,10 +323,15 @@ class WeightPublisher:
         self.sender.close_session_after_error()
 
     def _finish(self, version: int) -> str | None:
-        try:
-            self.sender.finish_update(str(version))
+        live, _ = self._live
+        gate = self._gate
+        try:  # the engines hold `version` from before the continue: requests sent after see it
+            self.sender.finish_update(str(version), flush_refusal_ok=live and self.pause_mode == "in_place",
+                                      before_continue=None if gate is None else lambda: gate.set_version(version))
         except WeightSyncError as e:
             return str(e)
+        if gate is not None:
+            gate.end_pause()
         return None
 
     def _check_all(self) -> tuple[str | None, dict]:
@@ -306,6 +361,8 @@ class WeightPublisher:
         s = {k: float(sum(st.get(k, 0.0) for st in stats)) for k in _SUM_KEYS}
         send_s = s["broadcast_time_s"] + s["load_time_s"] + s["prepare_time_s"]
         metrics = {**sync_metrics(s, elapsed, control_s=max(elapsed - send_s, 0.0)), **checked}
+        if self._live[0]:
+            metrics["weight_sync/stale_aborted"] = float(self._stale_aborted)
         if self.fleet is not None:
             metrics["rollout/server_restarts"] = self.fleet.restarts
             metrics["rollout/servers_up"] = len(self.fleet.up_clients())

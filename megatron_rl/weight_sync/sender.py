@@ -318,18 +318,22 @@ class WeightSyncSender:
         )
         return metrics
 
-    def begin_update(self) -> None:
-        """Pause generation (mode ``abort``) on every server and open the weight-update session.
+    def begin_update(self, pause_mode: str = "abort") -> None:
+        """Pause generation on every server and open the weight-update session.
 
         HTTP only (no group needed): with several sending ranks (one per pipeline stage, each with
         its own ``WeightSyncSender`` and ``group_name``), the controller calls this once, the
         stages call ``send`` in a fixed order, and the controller calls ``finish_update``.
 
+        Args:
+            pause_mode: ``abort`` (the synchronous sync; requests in flight end aborted) or, for a
+                live update, ``in_place`` (they stay frozen and continue on the new weights).
+
         Raises:
             WeightSyncError: a server refused (e.g. a session is already open).
         """
         try:
-            self._all(lambda c: c.pause_generation("abort"))
+            self._all(lambda c: c.pause_generation(pause_mode))
             self._all(lambda c: c.begin_weight_update(timeout_s=self.timeout_s))
         except RolloutServerError as e:
             raise WeightSyncError(f"could not open the weight-update session: {e}") from e
@@ -417,23 +421,44 @@ class WeightSyncSender:
             "load_time_s": load_s,
         }
 
-    def finish_update(self, weight_version: str) -> None:
+    def finish_update(self, weight_version: str, *, flush_refusal_ok: bool = False,
+                      before_continue: Callable[[], None] | None = None) -> None:
         """Close the session, flush the cache, check every server's weight version, continue generation.
+
+        Args:
+            weight_version: the label every server must report.
+            flush_refusal_ok: a live update paused ``in_place``: the flush does not wait for the
+                requests frozen in a server (they cannot finish while paused), and a server that
+                refuses it for them (SGLang's rule: their KV cache is kept on purpose) is logged,
+                not an error; those requests continue on the new weights.
+            before_continue: called after the version check, right before the continue (the
+                publisher records the version the engines now hold there).
 
         Raises:
             WeightSyncError: a call failed or a server reports another ``weight_version`` (then the
                 servers stay paused: never sample from weights the trainer does not hold).
         """
         weight_version = str(weight_version)
+
+        def flush(c) -> None:
+            try:
+                c.flush_cache(timeout_s=0.0 if flush_refusal_ok else min(30.0, self.timeout_s))
+            except RolloutServerError as e:
+                if not (flush_refusal_ok and e.status_code == 400):
+                    raise
+                logger.info("%s kept its cache (requests paused in place): %s", c.base_url, e)
+
         try:
             self._all(lambda c: c.end_weight_update(weight_version=weight_version, timeout_s=self.timeout_s))
-            self._all(lambda c: c.flush_cache(timeout_s=min(30.0, self.timeout_s)))
+            self._all(flush)
             versions = self._all(lambda c: c.weight_version())
         except RolloutServerError as e:
             raise WeightSyncError(f"closing the weight update failed: {e}") from e
         stale = [(c.base_url, v) for c, v in zip(self.clients, versions, strict=True) if v != weight_version]
         if stale:
             raise WeightSyncError(f"servers report a weight_version other than {weight_version!r}: {stale}")
+        if before_continue is not None:
+            before_continue()
         try:
             self._all(lambda c: c.continue_generation())
         except RolloutServerError as e:

@@ -22,14 +22,17 @@ tensors whose dtypes and shapes come from the validated JSON metadata.
 
 ``ModelUpdateLock`` is SGLang's model-update lock on the event loop: generation requests hold the
 read lock from admission to answer, so an update (the write lock) waits for the requests in flight
-unless the server is paused (``/pause_generation``) or the call sets ``abort_all_requests``.
+unless the server is paused (``/pause_generation``) or the call sets ``abort_all_requests``. A writer
+already waiting for readers re-checks whether it may stop waiting whenever it is woken (``wake``), so
+a pause that lands while an update waits behind a running request frees it (case N10 B; SGLang
+#25319).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -310,8 +313,9 @@ class UpdateSession:
 class ModelUpdateLock:
     """SGLang's model-update lock on the event loop: generate = reader, updates = writer.
 
-    A writer waits for an earlier writer, then (``wait_for_readers``) for the readers in flight;
-    new readers wait while a writer holds the lock. Use from one event loop only.
+    A writer waits for an earlier writer, then (``wait_for_readers``) for the readers in flight,
+    unless ``skip_readers()`` becomes true meanwhile (re-checked at every ``wake``); new readers wait
+    while a writer holds the lock. Use from one event loop only.
     """
 
     def __init__(self) -> None:
@@ -336,13 +340,21 @@ class ModelUpdateLock:
             self._readers -= 1
             self._cond.notify_all()
 
-    async def acquire_write(self, wait_for_readers: bool) -> None:
-        """Take the write lock; with ``wait_for_readers`` also wait until no reader is in."""
+    async def acquire_write(self, wait_for_readers: bool = True, *,
+                            skip_readers: Callable[[], bool] | None = None) -> None:
+        """Take the write lock; with ``wait_for_readers`` also wait until no reader is in or
+        ``skip_readers()`` is true (evaluated now and at every wake-up, e.g. "the engine is paused")."""
         async with self._cond:
             await self._cond.wait_for(lambda: not self._writer)
             self._writer = True
             if wait_for_readers:
-                await self._cond.wait_for(lambda: self._readers == 0)
+                await self._cond.wait_for(
+                    lambda: self._readers == 0 or (skip_readers is not None and skip_readers()))
+
+    async def wake(self) -> None:
+        """Wake every waiter to re-check its condition (after a pause or a hold changed)."""
+        async with self._cond:
+            self._cond.notify_all()
 
     async def release_write(self) -> None:
         """Give the write lock back."""

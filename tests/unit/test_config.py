@@ -211,6 +211,7 @@ def test_data_parallel_split_is_a_clear_launch_error(monkeypatch):
     ("run_dir=", "run_dir: must not be empty"),
     ("model.tokenizer_path=", "model.tokenizer_path: must not be empty"),
     ("rollout.temperature=0", "filter_groups.enable with rollout.temperature=0"),
+    ("rollout.pause_mode=retract", "rollout.pause_mode: 'retract' is not allowed; choose one of 'abort', 'in_place'"),
     ("actor.optim.lr=[1", "the value is not valid YAML"),
 ])
 def test_bad_values_are_refused_statically(override, message):
@@ -303,3 +304,13 @@ def test_null_choice_is_spelled_null():
                                          r"'flattened_bucket', null$"):
         load_config(None, BASE + ["weight_sync.load_format=flat"])
     assert load_config(None, BASE + ["weight_sync.load_format=null"]).weight_sync.load_format is None
+
+
+def test_pause_mode_and_partial_rollout():
+    cfg = load_config(None, BASE)
+    assert (cfg.rollout.pause_mode, cfg.rollout.partial_rollout) == ("abort", False)
+    cfg = load_config(None, BASE + ["rollout.partial_rollout=true"])
+    assert cfg.rollout.partial_rollout is True
+    assert load_config(None, BASE + ["rollout.pause_mode=in_place"]).rollout.pause_mode == "in_place"
+    with pytest.raises(ValueError, match="rollout.partial_rollout: true needs rollout.pause_mode: abort"):
+        load_config(None, BASE + ["rollout.pause_mode=in_place", "rollout.partial_rollout=true"])

@@ -6,7 +6,7 @@ its defaults and the DA3PO recipes became the paper's rule (`factor: constant`, 
 `trainer.max_generated_tokens` and `eval.token_interval` (default 0) are new; `rollout.vllm_python` and
 `rollout.vllm_extra_args` are new (issue 18); `trainer.max_staleness` (default 0),
 `algorithm.rollout_correction.*` (mode auto: no correction unless actor.tis or trainer.max_staleness
-asks) and `actor.old_logprob_source` (recompute) are new (issue 16); `rollout.colocate` (false) is new
+asks) and `actor.old_logprob_source` (recompute) are new (issue 16), and so are `rollout.pause_mode` and `rollout.partial_rollout`; `rollout.colocate` (false) is new
 (issue 17), and `examples/qwen2.5-7b/dapo-colocate.yaml` was added then (recorded with `_resolved`).
 Added since: `examples/qwen2.5-32b/dapo-vllm.yaml` (issue 18), recorded with `_resolved` below; it
 must stay dapo.yaml with vLLM engines (`test_dapo_vllm_is_dapo_with_vllm_engines`)."""
