@@ -195,7 +195,8 @@ def _train_step(run, batch, produced, t_step: float) -> dict:
         run.colocation.after_train()
     t_sync = time.perf_counter()
     run.weight_version += 1
-    sync_metrics = run.publisher.publish(run.weight_version)
+    # asynchronous: the next step is generating meanwhile (pause -> update -> continue, rollout.pause_mode)
+    sync_metrics = run.publisher.publish(run.weight_version, live=run.ahead is not None)
     if run.colocation is not None:
         sync_metrics = {**sync_metrics, **run.colocation.metrics()}
     if run.ahead is not None:  # admits the next step's generation; frees a waiting re-sync
