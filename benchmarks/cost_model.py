@@ -13,7 +13,8 @@ An analytical model, not a measurement (docs/cost_model.md explains every formul
   Checked against published decode figures (`ANCHORS`).
 * **Step time and GPU-hours** of the synchronous loop (rollout, then old log-probs, update, weight
   sync) for the recipe's batch (gen batch 1536 x 16 responses, train batch 512 x 16, 16 updates),
-  as a function of the mean response length, and the node split that minimises GPU-hours.
+  as a function of the mean response length, and the node split that minimises GPU-hours; the
+  asynchronous step (eta = 1: `benchmarks/cost_model_async.py`) against it.
 
     .venv/bin/python benchmarks/cost_model.py                 # tables + benchmarks/results/cost_model.json
     .venv/bin/python benchmarks/cost_model.py --mean-response 6000 --steps 400
@@ -639,6 +640,10 @@ def main() -> None:
     result["dapo_paper_setup_128_h20"] = {"step_s": colocated, "days": colocated * args.steps / 86400,
                                           "rollout_s": rc["rollout_s"], "train_s": rc["logprob_s"] + rc["update_s"]}
     result["colocated"] = _colocated_section(shape, recipe, recipes[1], args.steps, args.train_hfu)
+    import sys
+
+    from cost_model_async import async_section  # the eta = 1 step (issue 16); benchmarks/ is on sys.path
+    result["async"] = async_section(sys.modules[__name__], shape, recipe, cl, args.steps)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(f"\nwrote {args.out}")

@@ -22,6 +22,14 @@ code on a tiny shape on CPU instead, so the code is exercised in CI). On one H20
 5. **rollout**: the embedded server (``megatron-rl rollout-server``) on the same shape, saved as
    a Hugging Face folder, generating ``--gen-requests`` x ``--gen-tokens`` tokens (``ignore_eos``);
    and, for reference, Hugging Face ``generate`` of the same model on the GPU in one batch.
+6. **asynchronous update** (issue 16): the trainer's ``WeightSyncSender`` broadcasts the shape's
+   weights over NCCL to an SGLang engine on the GPU while it keeps generating (a live update:
+   pause ``in_place`` -> update -> continue, as ``WeightPublisher.publish(live=True)``); generation
+   wall time with and without the update, the update's seconds, and every response complete with
+   its tokens spanning both weight versions. Needs SGLang in this environment (skipped otherwise);
+   on one GPU the two NCCL ranks get distinct ``NCCL_HOSTID`` (NCCL refuses two ranks of one
+   communicator on one device otherwise), so the bytes go over NCCL's socket transport: the
+   mechanics are real, the GB/s is not NVLink's. ``--cpu-smoke``: the embedded server over gloo.
 
 Writes ``benchmarks/results/gpu_check.json`` (``--cpu-smoke``: ``gpu_check_cpu_smoke.json`` in the
 system temp folder unless ``--out`` is given) and prints a table.
@@ -180,20 +188,11 @@ def rollout_throughput(cfg: dict, workdir: Path, *, requests: int, new_tokens: i
                        hf_reference: bool) -> dict:
     """The embedded server on the shape (random weights saved as HF) + optionally HF generate on the GPU."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from megatron_rl.rollout.client import GenerateRequest
     from megatron_rl.rollout.launcher import launch_rollout_server
 
-    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "max_position_embeddings", "rope_theta", "rms_norm_eps", "tie_word_embeddings",
-            "bos_token_id", "eos_token_id")
-    hcfg = Qwen2Config(**{k: cfg[k] for k in keys})
-    torch.manual_seed(0)
-    dtype = torch.bfloat16 if cfg["torch_dtype"] == "bfloat16" else torch.float32
-    model = Qwen2ForCausalLM(hcfg).to(dtype)
-    path = workdir / "hf_model"
-    model.save_pretrained(path)
+    model, path = _save_hf(cfg, workdir / "hf_model")
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, cfg["vocab_size"], (prompt_len,), generator=g).tolist() for _ in range(requests)]
     out: dict = {"requests": requests, "new_tokens": new_tokens, "prompt_len": prompt_len}
@@ -223,6 +222,87 @@ def rollout_throughput(cfg: dict, workdir: Path, *, requests: int, new_tokens: i
         gen = int((y.shape[1] - x.shape[1]) * y.shape[0])
         out["hf_generate_gpu"] = {"wall_s": wall, "generated_tokens": gen, "tokens_per_s": gen / wall}
     return out
+
+
+def async_live_update(cfg: dict, workdir: Path, device: str, *, requests: int, new_tokens: int,
+                      prompt_len: int) -> dict:
+    """Issue 16's asynchronous weight update on a generating engine: `requests` x `new_tokens`
+    (ignore_eos) generated once alone (after a warm-up request), then again with a live update
+    (pause in_place, broadcast, continue) a quarter of the way in. On CUDA: SGLang + NCCL (distinct
+    NCCL_HOSTID with one GPU); on CPU: the embedded server + gloo. Returns timings and the response
+    checks, or {"skipped": why}."""
+    import importlib.util
+    import threading
+
+    import torch
+
+    from megatron_rl.rollout.client import GenerateRequest
+    from megatron_rl.rollout.launcher import launch_servers
+    from megatron_rl.weight_sync.sender import WeightSyncSender
+
+    env = dict(os.environ)
+    if device == "cuda":
+        if importlib.util.find_spec("sglang") is None:
+            return {"skipped": "SGLang is not importable here (the embedded server cannot take NCCL)"}
+        if torch.cuda.device_count() < 2:
+            os.environ["NCCL_HOSTID"], env["NCCL_HOSTID"] = "gpu-check-trainer", "gpu-check-engine"
+        kw = dict(sglang_python=sys.executable, tp_size=1, mem_fraction_static=0.3,
+                  per_server_args=[["--base-gpu-id", str(min(1, torch.cuda.device_count() - 1))]])
+    else:
+        kw = dict(embedded_args=["--max-batch-size", str(requests)])
+    model, path = _save_hf(cfg, workdir / "hf_async")
+    named = [(n, t.detach().to(device)) for n, t in model.state_dict().items() if n != "lm_head.weight"]
+    g = torch.Generator().manual_seed(2)
+    params = {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True}
+    reqs = [GenerateRequest(torch.randint(3, cfg["vocab_size"], (prompt_len,), generator=g).tolist(),
+                            dict(params, sampling_seed=i), f"a{i}") for i in range(requests)]
+    (server,) = launch_servers("sglang" if device == "cuda" else "embedded", path, 1, log_dir=workdir,
+                               startup_timeout_s=600, env=env, **kw)
+    out: dict = {"engine": "sglang" if device == "cuda" else "embedded", "requests": requests, "new_tokens": new_tokens}
+    try:
+        client = server.client()
+        sender = WeightSyncSender([client], backend="nccl" if device == "cuda" else "gloo", timeout_s=300)
+        sender.init_group()
+        client.generate_many([GenerateRequest(reqs[0].input_ids, dict(params, max_new_tokens=2), "warm")])
+        t0 = time.perf_counter()
+        client.generate_many(reqs, max_concurrency=requests)
+        out["generate_alone_s"] = alone = time.perf_counter() - t0
+        done: dict = {}
+        gen = threading.Thread(target=lambda: done.update(res=client.generate_many(reqs, max_concurrency=requests)))
+        t0 = time.perf_counter()
+        gen.start()
+        time.sleep(alone / 4)  # a quarter of the way in
+        t1 = time.perf_counter()
+        sender.begin_update("in_place")
+        stats = sender.send(iter(named), weight_version="async-1")
+        sender.finish_update("async-1", flush_refusal_ok=True)
+        out["update_s"], out["update_bytes"] = time.perf_counter() - t1, stats["bytes"]
+        gen.join()
+        out["generate_with_update_s"] = time.perf_counter() - t0
+        res = done["res"]
+        out["complete"] = sum(len(r.output_ids) == new_tokens for r in res)
+        out["spanning_two_versions"] = sum(len(r.weight_versions or []) > 1 for r in res)
+        out["final_versions"] = sorted({r.weight_version for r in res})
+        sender.destroy()
+    finally:
+        server.stop()
+        os.environ.pop("NCCL_HOSTID", None)
+    return out
+
+
+def _save_hf(cfg: dict, path: Path):
+    """A randomly initialised Hugging Face Qwen2 of the shape, saved to `path`; returns (model, path)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "max_position_embeddings", "rope_theta", "rms_norm_eps", "tie_word_embeddings",
+            "bos_token_id", "eos_token_id")
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**{k: cfg[k] for k in keys}))
+    model = model.to(torch.bfloat16 if cfg["torch_dtype"] == "bfloat16" else torch.float32)
+    model.save_pretrained(path)
+    return model, path
 
 
 def _ipc_receiver(conn, shapes: dict, device: str) -> None:
@@ -375,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
             result["rollout"] = rollout_throughput(cfg, Path(tmp), requests=gen_requests, new_tokens=gen_tokens,
                                                    prompt_len=min(64, seq_len // 2), hf_reference=device == "cuda")
+            result["async_update"] = async_live_update(cfg, Path(tmp), device, requests=gen_requests,
+                                                       new_tokens=4 * gen_tokens, prompt_len=min(64, seq_len // 2))
     result["wall_s"] = time.perf_counter() - t_all
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(result, indent=2) + "\n")
@@ -402,6 +484,13 @@ def main(argv: list[str] | None = None) -> int:
               f"({r['requests']} requests x {r['new_tokens']} tokens, {r['embedded_server']['device']})")
         if "hf_generate_gpu" in r:
             print(f"{'HF generate on the GPU tokens/s':34s} {r['hf_generate_gpu']['tokens_per_s']:10.1f}")
+    a = result.get("async_update")
+    if a and "skipped" in a:
+        print(f"{'async update':34s} skipped: {a['skipped']}")
+    elif a:
+        print(f"{'async update s (generation s)':34s} {a['update_s']:10.3f}   (generation {a['generate_alone_s']:.2f} s "
+              f"alone, {a['generate_with_update_s']:.2f} s with it; {a['complete']}/{a['requests']} complete, "
+              f"{a['spanning_two_versions']} spanning two versions, {a['engine']})")
     h = result["ipc_handover"]
     print(f"{'colocated hand-over GB/s':34s} {h['gb_per_s']:10.3f}   ({h['bytes'] / 2**20:.0f} MiB, "
           f"{len(h['phases'])} buckets, {h['device']}; {h['shared_segments_left']} shared segments left)")

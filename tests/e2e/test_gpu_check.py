@@ -1,6 +1,7 @@
 """benchmarks/gpu_check.py: the no-GPU path exits 0 with a message; --cpu-smoke runs every part of
 the check (matmul ceiling, megatron-core training steps through PolicyTrainer, the embedded
-server's generation) on a tiny shape on CPU. Values asserted, never timings."""
+server's generation, the colocated hand-over, the live weight update of issue 16) on a tiny shape
+on CPU. Values asserted, never timings."""
 
 from __future__ import annotations
 
@@ -44,3 +45,6 @@ def test_cpu_smoke_runs_every_part(tmp_path):
     assert "update tokens/s" in r.stdout
     h = d["ipc_handover"]  # issue 17: the shared-memory path on CPU, every bucket acknowledged, nothing left
     assert h["device"] == "cpu" and h["phases"] and h["gb_per_s"] > 0 and h["shared_segments_left"] == 0
+    a = d["async_update"]  # issue 16: a live update (pause in place, gloo broadcast, continue) mid-generation
+    assert a["engine"] == "embedded" and a["complete"] == a["requests"] == 4  # none lost, every one full length
+    assert a["update_bytes"] == 4 * 90_688 and set(a["final_versions"]) <= {"default", "async-1"}  # fp32 weights

@@ -313,3 +313,19 @@ def test_check_hints_name_the_job_variable(tmp_path):
     with pytest.raises(jobtool.JobConfigError, match=r"holds checkpoints of an earlier run \(latest step 2\).*"
                                                      r"a requeued job needs trainer.resume_mode=auto"):
         jobtool.check_job(ci, [f"run_dir={run}", "trainer.resume_mode=disable"], **kw)
+
+
+def test_async_recipe_passes_the_job_checks(tmp_path):
+    """examples/qwen2.5-32b/dapo-async.yaml (eta = 1) with its sbatch wrapper's defaults: the
+    synchronous recipe's layout, SGLang engines (they report per-token weight versions)."""
+    sbatch = (REPO / "slurm/qwen2.5-32b-dapo-async.sbatch").read_text()
+    assert "export RECIPE=examples/qwen2.5-32b/dapo-async.yaml" in sbatch and "#SBATCH --nodes=8" in sbatch
+    model = tmp_path / "Qwen2.5-32B"
+    model.mkdir()
+    (model / "config.json").write_text((REPO / "examples/qwen2.5-32b/config.json").read_text())
+    data = tmp_path / "d.jsonl"
+    data.write_text("")
+    files = [f"model.path={model}", f"data.train_files=[{data}]", f"data.val_files=[{data}]"]
+    out = _check(config=str(REPO / "examples/qwen2.5-32b/dapo-async.yaml"), overrides=files)
+    assert out["trainer_world"] == 32 and out["dp"] == 2 and out["engines"] == 8
+    assert (out["rollout_backend"], out["trainer_backend"]) == ("sglang", "sglang")

@@ -9,7 +9,9 @@ its defaults and the DA3PO recipes became the paper's rule (`factor: constant`, 
 asks) and `actor.old_logprob_source` (recompute) are new (issue 16), and so are `rollout.pause_mode` and `rollout.partial_rollout`; `rollout.colocate` (false) is new
 (issue 17), and `examples/qwen2.5-7b/dapo-colocate.yaml` was added then (recorded with `_resolved`).
 Added since: `examples/qwen2.5-32b/dapo-vllm.yaml` (issue 18), recorded with `_resolved` below; it
-must stay dapo.yaml with vLLM engines (`test_dapo_vllm_is_dapo_with_vllm_engines`)."""
+must stay dapo.yaml with vLLM engines (`test_dapo_vllm_is_dapo_with_vllm_engines`). Added since:
+`examples/qwen2.5-32b/dapo-async.yaml` (issue 16, eta = 1), recorded with `_resolved`; it must stay
+dapo.yaml with `trainer.max_staleness: 1` and partial rollouts (`test_dapo_async_is_dapo_with_eta_1`)."""
 
 import json
 from pathlib import Path
@@ -54,3 +56,16 @@ def test_dapo_vllm_is_dapo_with_vllm_engines():
         "run_dir", "rollout.backend", "rollout.vllm_extra_args", "rollout.tp_size", "rollout.mem_fraction_static",
         "trainer.pipeline_model_parallel_size"}
     assert vllm["rollout.backend"] == "vllm" and vllm["trainer.pipeline_model_parallel_size"] == 1
+
+
+def test_dapo_async_is_dapo_with_eta_1():
+    """dapo-async.yaml is a full copy of dapo.yaml (no recipe inheritance): it may differ only in
+    eta = 1 (`trainer.max_staleness`), the resubmission of updated requests with their prefix
+    (`rollout.partial_rollout`) and its run_dir; the correction stays `auto` (-> token_tis at eta 1)."""
+    sync = _flat(_resolved("examples/qwen2.5-32b/dapo.yaml", []))
+    async_ = _flat(_resolved("examples/qwen2.5-32b/dapo-async.yaml", []))
+    assert set(sync) == set(async_)
+    assert {k for k in sync if sync[k] != async_[k]} == {"run_dir", "trainer.max_staleness", "rollout.partial_rollout"}
+    assert async_["trainer.max_staleness"] == 1 and async_["rollout.partial_rollout"] is True
+    assert async_["rollout.pause_mode"] == "abort"
+    assert async_["algorithm.rollout_correction.mode"] == "auto" and async_["actor.old_logprob_source"] == "recompute"

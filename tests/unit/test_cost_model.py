@@ -130,3 +130,42 @@ def test_colocated_memory_phases_hand_computed(cm):
     st = cm.colocated_step_time(shape, cm.RLRecipe(), lay, 1, engine=eng)
     assert st["gpus"] == 8 and st["step_s"] == pytest.approx(
         st["rollout_s"] + st["logprob_s"] + st["update_s"] + st["offload_onload_s"] + st["handover_s"])
+
+
+@pytest.fixture(scope="module")
+def cma(cm):
+    spec = importlib.util.spec_from_file_location("cost_model_async", REPO / "benchmarks" / "cost_model_async.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_async_step_hand_computed(cma):
+    """eta = 1 (docs/cost_model.md "Asynchronous step"): max(rollout + re-prefill, log-probs + update) + sync;
+    run = steps x step + one rollout to fill the pipeline, on the same GPUs."""
+    st = {"rollout_s": 600.0, "logprob_s": 100.0, "update_s": 300.0, "weight_sync_s": 3.0, "step_s": 1003.0, "gpus": 64}
+    a = cma.async_step(st, reprefill_s=20.0)
+    assert (a["rollout_side_s"], a["train_side_s"], a["async_step_s"], a["bound"]) == (620.0, 400.0, 623.0, "rollout")
+    assert a["speedup"] == pytest.approx(1003 / 623)
+    b = cma.async_step({**st, "rollout_s": 300.0, "update_s": 400.0, "step_s": 803.0})
+    assert (b["async_step_s"], b["bound"]) == (503.0, "train")
+    r = cma.async_run_cost(st, 400, reprefill_s=20.0)
+    assert r["wall_hours"] == pytest.approx((400 * 623 + 600) / 3600)  # 69.39 h
+    assert r["gpu_hours"] == pytest.approx(64 * 69.38888889)  # 4440.9
+    assert r["sync_gpu_hours"] == pytest.approx(64 * 400 * 1003 / 3600)  # 7132.4
+
+
+def test_async_reprefill_and_recipe_step(cm, cma):
+    """Re-prefill of the partial rollouts, by hand: running batch = KV pool tokens // live context
+    (200 + 4000 x (1 + 1) / 2 = 4200), each token 2 N + 2 h L x 4200 FLOPs on 4 GPUs at 50 % of 989
+    TFLOP/s; the recipes' 4 + 4 nodes then run a rollout-bound step ~1.42x faster than synchronous."""
+    shape, recipe, cl = cm.QWEN25_32B, cm.RLRecipe(), cm.Cluster()
+    kv_tokens = (0.85 * 79.6 * GIB - 32_763_876_352 * 2 / 4) / 65_536
+    batch = int(min(1024, kv_tokens // 4200))
+    want = batch * 4200 * (2 * 32_763_876_352 + 2 * 5120 * 64 * 4200) / (4 * 989e12 * 0.5)
+    assert cma.reprefill_s(cm, shape, recipe, cl) == pytest.approx(want)  # ~30 s
+    st = cm.step_time(shape, recipe, cl)
+    a = cma.async_step(st, want)
+    assert a["async_step_s"] == pytest.approx(max(st["rollout_s"] + want, st["logprob_s"] + st["update_s"])
+                                              + st["weight_sync_s"])
+    assert a["bound"] == "rollout" and 1.40 < a["speedup"] < 1.45  # 58.5 -> 41.4 min a step
