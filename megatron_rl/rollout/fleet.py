@@ -67,6 +67,11 @@ class ServerFleet:
         self._up = [True] * len(self.clients)
         self._epoch = [0] * len(self.clients)  # bumped at every state change of a server
         self._lock = threading.RLock()
+        self._synced = threading.Event()
+        """Clear while a restarted server waits for its re-sync: `pick` waits, so no request reaches
+        weights the trainer does not hold. The re-sync itself runs outside `_lock` (asynchronous
+        training runs it on the main thread, whose publish needs the lock)."""
+        self._synced.set()
         self.restarts = 0
         self.membership_changed = False
         """True when the set of up servers changed since the weight-update group was last made."""
@@ -94,6 +99,7 @@ class ServerFleet:
         Raises:
             RolloutServerError: no server is up (a failed restart left none).
         """
+        self._synced.wait()
         with self._lock:
             up = [i for i, u in enumerate(self._up) if u]
             if not up:
@@ -137,9 +143,14 @@ class ServerFleet:
             clients = self.up_clients()
             if self._resync is None:
                 raise RolloutServerError("a rollout server was restarted but there is no weight sync to re-sync it")
+            self._synced.clear()
+        try:  # outside the lock (see `_synced`); requests wait in `pick` meanwhile
             self._resync(clients)
+        finally:
+            self._synced.set()
+        with self._lock:
             self.membership_changed = False
-            logger.warning("rollout server %d re-synced to the trainer's current weights", index)
+        logger.warning("rollout server %d re-synced to the trainer's current weights", index)
 
     def _restart(self, index: int, error: BaseException | None) -> None:
         proc = self.processes[index]

@@ -49,3 +49,45 @@ def test_eta1_overlaps_generation_with_training_and_trains_every_prompt_once(tmp
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["eval_after"]["weight_version"] == 4
     assert "weight version 2" in (run_dir / "train.log").read_text()
+
+
+def test_eta1_server_killed_mid_step_is_restarted_and_resynced_by_the_main_thread(tmp_path):
+    """The only server is killed (SIGKILL) after step 1, while step 2 trains and step 3 generates on the
+    producer's thread: the rollout thread that finds it dead restarts it and hands the re-sync to the
+    main thread (whose publish may not run inside a collective); requests wait until the server holds
+    the trainer's weights. The run finishes every step with staleness <= 1 (a deadlock here once:
+    the rollout thread held the fleet's lock while it waited for the main thread's publish)."""
+    import os
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "megatron_rl.cli", "train", "--config", str(ROOT / "examples/tiny/ci.yaml"),
+         f"run_dir={run_dir}", "trainer.progress_bar=false", "trainer.max_staleness=1",
+         "trainer.total_training_steps=4", "trainer.save_interval=0", "eval.before_train=false",
+         "eval.after_train=false", "rollout.max_server_restarts=1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    log = run_dir / "train.log"
+    try:
+        deadline = time.monotonic() + 600
+        while "step 1:" not in (log.read_text() if log.exists() else ""):
+            assert proc.poll() is None, f"run exited with {proc.returncode} before step 1"
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        pid = subprocess.run(["pgrep", "-f", f"megatron_rl.engine.*--run-dir {run_dir}"], capture_output=True,
+                             text=True).stdout.split()
+        assert len(pid) == 1, pid
+        os.kill(int(pid[0]), signal.SIGKILL)
+        _, err = proc.communicate(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-4000:]
+    text = log.read_text()
+    assert "restarting rollout server 0" in text, text[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "train/acc" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert all(r["train/staleness_max"] <= 1 for r in steps)
+    assert steps[-1]["rollout/server_restarts"] == 1
