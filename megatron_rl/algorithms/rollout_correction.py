@@ -163,8 +163,16 @@ def rollout_correction(prox_logprobs: torch.Tensor, behav_logprobs: torch.Tensor
     fn = ROLLOUT_CORRECTIONS.get(mode)
     mask = loss_mask.bool()
     log_w = behaviour_log_weights(prox_logprobs, behav_logprobs, mask)
+    valid = _count(mask)
+    # a NaN weight (a NaN log-prob, or -inf on both sides) cannot be corrected: the token is left out
+    # of the loss (mask 0) and counted, instead of turning the loss NaN; `none` uses no weight at all
+    nonfinite = mask & torch.isnan(log_w) if mode != "none" else torch.zeros_like(mask)
+    if bool(nonfinite.any()):
+        mask = mask & ~nonfinite
+        log_w = torch.where(nonfinite, torch.zeros_like(log_w), log_w)
     weights, new_mask, extra = fn(log_w, mask, **opts)
-    sums = {"valid": _count(mask), "behav_weight": torch.where(mask, torch.exp(log_w), torch.zeros_like(log_w)).sum()}
+    sums = {"valid": valid, "nonfinite": _count(nonfinite),
+            "behav_weight": torch.where(mask, torch.exp(log_w), torch.zeros_like(log_w)).sum()}
     sums.update(extra)
     return RolloutCorrection(weights=None if weights is None else weights.detach(), loss_mask=new_mask,
                              sums={k: v.detach().float() for k, v in sums.items()})

@@ -29,12 +29,13 @@ logger = logging.getLogger(__name__)
 
 # every rank all-reduces the same keys (stages without the loss have none of their own)
 _SUM_KEYS = ("tokens", "clipped", "dual_clipped", "approx_kl", "entropy", "kl", "loss_num", "loss_count",
-             "rc_valid", "rc_behav_weight", "rc_is_weight", "rc_truncated", "rc_masked")
+             "rc_valid", "rc_nonfinite", "rc_behav_weight", "rc_is_weight", "rc_truncated", "rc_masked")
 _RC_METRICS = {  # metric -> (sum of rollout_correction's `sums`, modes it is logged for)
     "train/rollout_corr/behav_weight_mean": ("behav_weight", ("token_tis", "seq_tis", "mask")),
     "train/rollout_corr/rollout_is_mean": ("is_weight", ("token_tis", "seq_tis")),
     "train/rollout_corr/rollout_is_ratio_fraction_high": ("truncated", ("token_tis", "seq_tis")),
     "train/rollout_corr/rollout_is_masked_fraction": ("masked", ("mask",)),
+    "train/rollout_corr/nonfinite_fraction": ("nonfinite", ("token_tis", "seq_tis", "mask")),
     "train/tis_raw_ratio_mean": ("behav_weight", ()),  # section 5's names, with actor.tis.enable
     "train/tis_weight_mean": ("is_weight", ()),
 }

@@ -96,7 +96,7 @@ def test_mask_token_and_sequence_levels_hand_values():
 def test_none_changes_nothing():
     prox, behav, mask = _example()
     c = rollout_correction(prox, behav, mask, "none")
-    assert c.weights is None and torch.equal(c.loss_mask, mask) and set(c.sums) == {"valid", "behav_weight"}
+    assert c.weights is None and torch.equal(c.loss_mask, mask) and set(c.sums) == {"valid", "nonfinite", "behav_weight"}
 
 
 def test_registered_modes_and_bad_options():
@@ -187,7 +187,8 @@ def test_trainer_token_tis_loss_and_metrics_by_hand():
     rec = trainer._correction_metrics(sums)
     assert rec == pytest.approx({"train/rollout_corr/behav_weight_mean": 7.3233926 / 5,
                                  "train/rollout_corr/rollout_is_mean": 6.6051108 / 5,
-                                 "train/rollout_corr/rollout_is_ratio_fraction_high": 0.2}, abs=1e-6)
+                                 "train/rollout_corr/rollout_is_ratio_fraction_high": 0.2,
+                                 "train/rollout_corr/nonfinite_fraction": 0.0}, abs=1e-6)
 
 
 def test_trainer_mask_leaves_the_denominator_like_verl():
@@ -199,7 +200,8 @@ def test_trainer_mask_leaves_the_denominator_like_verl():
     num, count, sums = trainer._loss_func(mb, logits)
     assert num.item() == pytest.approx(-4.0, abs=1e-6) and count.item() == 4 and sums["tokens"].item() == 4
     assert trainer._correction_metrics(sums) == pytest.approx(
-        {"train/rollout_corr/behav_weight_mean": 7.3233926 / 5, "train/rollout_corr/rollout_is_masked_fraction": 0.2},
+        {"train/rollout_corr/behav_weight_mean": 7.3233926 / 5, "train/rollout_corr/rollout_is_masked_fraction": 0.2,
+         "train/rollout_corr/nonfinite_fraction": 0.0},
         abs=1e-6)
     num.backward()
     assert (logits.grad[0, 1] == 0).all() and (logits.grad[0, 0] != 0).any()  # the rejected token has no gradient
@@ -325,3 +327,19 @@ def test_verl_aliases_resolve():
     assert cfg.actor.old_logprob_source == "rollout"
     assert load_config(None, BASE + [rc + "bypass_mode=false"]).actor.old_logprob_source == "recompute"
     assert load_config(None, BASE + [rc + "rollout_is=null"]).algorithm.rollout_correction.mode == "auto"
+
+
+@pytest.mark.parametrize("mode,opts", [("token_tis", {"tis_cap": 2.0}), ("seq_tis", {"tis_cap": 2.0}),
+                                       ("mask", {"mask_high": 2.0})])
+def test_a_nan_behaviour_weight_leaves_the_token_out_instead_of_turning_the_loss_nan(mode, opts):
+    # token (0, 1): both log-probs -inf (-inf - -inf = NaN); token (1, 0): the engine sent NaN
+    prox = torch.tensor([[-1.0, float("-inf"), -0.5], [-0.2, -0.3, -0.4]])
+    behav = torch.tensor([[-1.0, float("-inf"), -0.5], [float("nan"), -0.3, -0.4]])
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    c = rollout_correction(prox, behav, mask, mode, **opts)
+    assert c.loss_mask.tolist() == [[True, False, True], [False, True, True]]
+    assert float(c.sums["nonfinite"]) == 2.0 and float(c.sums["valid"]) == 6.0
+    assert torch.isfinite(c.sums["behav_weight"])
+    if c.weights is not None:
+        assert torch.isfinite(c.weights).all()
+        assert c.weights[c.loss_mask].tolist() == [1.0, 1.0, 1.0, 1.0]  # the other tokens have w = 1
