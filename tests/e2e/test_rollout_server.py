@@ -363,7 +363,7 @@ def test_weight_update_waits_for_requests_in_flight(server, client):
     t = threading.Thread(target=_long_request, args=(server, "inflight", out, 1500))
     t.start()
     _wait_for(client, running=1)
-    client.begin_weight_update()  # not paused: waits for the write lock
+    client.begin_weight_update(timeout_s=300)  # not paused: waits for the write lock (minutes on a loaded machine)
     begun = time.monotonic()
     client.end_weight_update()
     t.join(timeout=120)
