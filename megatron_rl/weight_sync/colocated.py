@@ -201,13 +201,14 @@ class ColocatedWeightSender:
                 raise WeightSyncError(f"cannot read the engines' dtype: {e}") from e
         self._ready = True
 
-    def begin_update(self) -> None:
-        """Resume the engines' weights (if released), pause them and open the update session."""
+    def begin_update(self, pause_mode: str = "abort") -> None:
+        """Resume the engines' weights (if released), pause them (`pause_mode`, the publisher's; always
+        `abort` here since colocation needs `trainer.max_staleness: 0`) and open the update session."""
         try:
             if self.memory is not None:
                 self.memory.resume("weights")
             for c in self.clients:
-                c.pause_generation("abort")
+                c.pause_generation(pause_mode)
                 c.begin_weight_update(timeout_s=self.timeout_s)
         except RolloutServerError as e:
             raise WeightSyncError(f"could not open the weight-update session: {e}") from e
@@ -261,8 +262,11 @@ class ColocatedWeightSender:
                     stats["bytes"] / 2**20, time.perf_counter() - t_all)
         return stats
 
-    def finish_update(self, weight_version: str) -> None:
-        """Close the session, resume the KV cache, check every engine's version, continue."""
+    def finish_update(self, weight_version: str, *, flush_refusal_ok: bool = False,
+                      before_continue=None) -> None:
+        """Close the session, resume the KV cache, check every engine's version, continue (the
+        `WeightSyncSender.finish_update` signature: `before_continue()` runs just before the continue;
+        `flush_refusal_ok` never applies, nothing is in flight in colocated mode)."""
         weight_version = str(weight_version)
         try:
             for c in self.clients:
@@ -274,6 +278,8 @@ class ColocatedWeightSender:
             stale = [(c.base_url, v) for c in self.clients if (v := c.weight_version()) != weight_version]
             if stale:
                 raise WeightSyncError(f"engines report a weight_version other than {weight_version!r}: {stale}")
+            if before_continue is not None:
+                before_continue()
             for c in self.clients:
                 c.continue_generation()
         except RolloutServerError as e:
