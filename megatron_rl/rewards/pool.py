@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib
 import logging
 import multiprocessing as mp
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
@@ -117,6 +118,9 @@ class RewardPool:
         self._workers: list[_Worker] = [self._spawn() for _ in range(num_workers)]
         self.num_replaced = 0
         self._closed = False
+        self._map_lock = threading.Lock()
+        """One `map` at a time: the workers and their pipes are shared (asynchronous training scores
+        the producer's groups and an evaluation's answers from two threads)."""
 
     def _spawn(self) -> _Worker:
         return _Worker(self._ctx, self._fns, self._modules)
@@ -127,7 +131,7 @@ class RewardPool:
         self.num_replaced += 1
 
     def map(self, items: Iterable[tuple]) -> list[dict[str, Any]]:
-        """Evaluate items; results in input order.
+        """Evaluate items; results in input order. Thread-safe: concurrent calls run one after another.
 
         Args:
             items: tuples `(reward_name, response, ground_truth)` or
@@ -140,6 +144,10 @@ class RewardPool:
         Raises:
             RuntimeError: the pool is closed, or a worker cannot start within 120 s.
         """
+        with self._map_lock:
+            return self._map(items)
+
+    def _map(self, items: Iterable[tuple]) -> list[dict[str, Any]]:
         if self._closed:
             raise RuntimeError("RewardPool is closed")
         tasks = []

@@ -85,3 +85,24 @@ def test_pool_argument_validation():
         RewardPool(0, timeout_s=1.0)
     with pytest.raises(ValueError):
         RewardPool(1, timeout_s=0)
+
+
+def test_pool_map_from_two_threads_keeps_each_callers_results():
+    # asynchronous training scores the producer's groups and an evaluation's answers at once; the
+    # shared workers used to hand one caller's results to the other (None entries, a TypeError)
+    import threading
+
+    with RewardPool(2, timeout_s=10.0) as pool:
+        out = {}
+
+        def score(name, answers, truth):
+            out[name] = [pool.map([("dapo_math", f"Answer: {a}", truth) for a in answers]) for _ in range(5)]
+
+        a = threading.Thread(target=score, args=("a", [3, 4, 3, 3, 5, 3], "3"))
+        b = threading.Thread(target=score, args=("b", [7, 7, 1], "7"))
+        a.start()
+        b.start()
+        a.join(60)
+        b.join(60)
+        assert all([r["acc"] for r in res] == [True, False, True, True, False, True] for res in out["a"])
+        assert all([r["acc"] for r in res] == [True, True, False] for res in out["b"])
