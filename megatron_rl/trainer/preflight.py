@@ -155,6 +155,30 @@ def rollout_servers(cfg: Config) -> Optional[str]:
     return None
 
 
+def engine_environment(cfg: Config) -> Optional[str]:
+    """Engines this run starts itself with `rollout.backend` sglang or vllm: their interpreter
+    (`rollout.sglang_python` / `rollout.vllm_python`) must exist, and vLLM needs a CUDA GPU (its NCCL
+    weight transfer; the CPU stand-in is `rollout.backend: vllm-embedded`)."""
+    import shutil
+
+    r = cfg.rollout
+    if r.backend not in ("sglang", "vllm") or r.server_urls:
+        return f"not applicable: rollout.backend is {r.backend}" + (" with rollout.server_urls" if r.server_urls else "")
+    key = f"rollout.{r.backend}_python"
+    python = getattr(r, f"{r.backend}_python")
+    if shutil.which(python) is None and not (os.path.isfile(python) and os.access(python, os.X_OK)):
+        raise RuntimeError(f"{key}: {python!r} is not an executable; point it at the Python of the environment "
+                           f"where {r.backend} is installed")
+    if r.backend == "vllm":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError("rollout.backend=vllm needs a CUDA GPU (vLLM serves on GPUs and its weight transfer "
+                               "is NCCL); on CPU use rollout.backend=vllm-embedded, the embedded server in vLLM's "
+                               "dialect")
+    return None
+
+
 CHECKS: tuple[Check, ...] = (
     Check("world_size", "world size divisible by TP*PP*CP", world_size),
     Check("run_dir", "run_dir free of an earlier run's checkpoints when trainer.resume_mode is disable", run_dir),
@@ -166,6 +190,8 @@ CHECKS: tuple[Check, ...] = (
     Check("sequence_parallel", "Transformer Engine for sequence parallelism", sequence_parallel),
     Check("model_files", "model.path holds a Hugging Face model", model_files),
     Check("rollout_servers", "rollout servers reachable (rollout.server_urls)", rollout_servers),
+    Check("engine_environment", "the engines' Python (rollout.sglang_python / vllm_python) and, for vLLM, a GPU",
+          engine_environment),
 )
 """Every launch-time check, in the order `run_preflight` runs them."""
 

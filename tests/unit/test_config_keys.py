@@ -132,9 +132,26 @@ def test_preflight_checks_have_stable_names():
     from megatron_rl.trainer.preflight import CHECK_NAMES, environment_checks, get_check
 
     assert CHECK_NAMES == ("world_size", "run_dir", "data_parallel_split", "data_files", "transformer_impl", "fp8",
-                           "sequence_parallel", "model_files", "rollout_servers")
+                           "sequence_parallel", "model_files", "rollout_servers", "engine_environment")
     cfg = load_config(None, BASE)
     assert list(environment_checks(cfg)) == list(CHECK_NAMES)
     with pytest.raises(KeyError, match="valid names: world_size"):
         get_check("world size divisible by TP*PP*CP")
     assert isinstance(Config(), Config)
+
+
+def test_engine_environment_check_names_the_key(tmp_path):
+    from megatron_rl.trainer.preflight import engine_environment
+
+    cfg = load_config(None, BASE + ["rollout.backend=vllm", "rollout.vllm_python=/nonexistent/python",
+                                    "weight_sync.backend=nccl"])
+    with pytest.raises(RuntimeError, match="rollout.vllm_python: '/nonexistent/python' is not an executable"):
+        engine_environment(cfg)
+    import torch
+
+    if not torch.cuda.is_available():
+        cfg = load_config(None, BASE + ["rollout.backend=vllm", "weight_sync.backend=nccl",
+                                        f"rollout.vllm_python={__import__('sys').executable}"])
+        with pytest.raises(RuntimeError, match="needs a CUDA GPU.*vllm-embedded"):
+            engine_environment(cfg)
+    assert engine_environment(load_config(None, BASE)).startswith("not applicable")
