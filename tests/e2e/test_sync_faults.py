@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rl.engine.test_hooks import FAULT_REFUSE_UPDATES_ENV
+from tests.e2e.server_faults import kill_server_when
 from tests.e2e.test_resume import _no_server_left, _wall_clock
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,9 +89,6 @@ def test_server_killed_mid_rollout_is_restarted_and_every_rank_resyncs(clean_run
     dialect and in vLLM's (`vllm-embedded`: VLLMClient, a fresh server joined through
     /init_weight_transfer_engine; its tokens equal the SGLang dialect's, tests/e2e/test_train_vllm_dialect.py,
     so the same clean run is the reference)."""
-    import signal
-    import time
-
     run_dir = tmp_path / "run"
     env = dict(os.environ)
     env.pop(FAULT_REFUSE_UPDATES_ENV, None)
@@ -102,22 +100,8 @@ def test_server_killed_mid_rollout_is_restarted_and_every_rank_resyncs(clean_run
          "trainer.nproc_per_node=2", "trainer.tensor_model_parallel_size=2",
          "rollout.enable_deterministic_inference=true", "rollout.max_server_restarts=1", f"rollout.backend={backend}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    err = kill_server_when(proc, run_dir, "step 1:", timeout_s=900)
     log = run_dir / "train.log"
-    try:
-        deadline = time.monotonic() + 900
-        while "step 1:" not in (log.read_text() if log.exists() else ""):
-            assert proc.poll() is None, f"run exited with {proc.returncode} before step 1"
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        server_log = (run_dir / "rollout_server_0.log").read_text()
-        pid = subprocess.run(["pgrep", "-f", f"megatron_rl.engine.*--run-dir {run_dir}"], capture_output=True,
-                             text=True).stdout.split()
-        assert len(pid) == 1, (pid, server_log[-2000:])
-        os.kill(int(pid[0]), signal.SIGKILL)
-        _, err = proc.communicate(timeout=900)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == 0, err[-4000:]
     text = log.read_text()
     assert "restarting rollout server 0" in text and "re-sync to weight version 1 done" in text, text[-3000:]
@@ -136,9 +120,6 @@ def test_server_killed_during_an_evaluation_is_resynced_with_every_rank(tmp_path
     it is restarted and re-synced with the other rank taking part (it waits on the controller's
     channel through every evaluation), and the run completes (before: every rank hung in a collective
     until the timeout)."""
-    import signal
-    import time
-
     run_dir = tmp_path / "run"
     env = dict(os.environ)
     env.pop(FAULT_REFUSE_UPDATES_ENV, None)
@@ -149,20 +130,8 @@ def test_server_killed_during_an_evaluation_is_resynced_with_every_rank(tmp_path
          "actor.ppo_mini_batch_size=4", "trainer.nproc_per_node=2", "trainer.tensor_model_parallel_size=2",
          "trainer.distributed_timeout_s=120", "rollout.max_server_restarts=1"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    err = kill_server_when(proc, run_dir, "eval eval_before", timeout_s=600)
     log = run_dir / "train.log"
-    try:
-        deadline = time.monotonic() + 600
-        while "eval eval_before" not in (log.read_text() if log.exists() else ""):
-            assert proc.poll() is None and time.monotonic() < deadline, "no step-0 evaluation"
-            time.sleep(0.05)
-        pid = subprocess.run(["pgrep", "-f", f"megatron_rl.engine.*--run-dir {run_dir}"], capture_output=True,
-                             text=True).stdout.split()
-        assert len(pid) == 1, pid
-        os.kill(int(pid[0]), signal.SIGKILL)
-        _, err = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == 0, err[-4000:]
     text = log.read_text()
     assert "re-sync to weight version 0 done" in text and "eval eval_after:" in text, text[-3000:]

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.server_faults import kill_server_when
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(900)
 
@@ -57,10 +59,6 @@ def test_eta1_server_killed_mid_step_is_restarted_and_resynced_by_the_main_threa
     main thread (whose publish may not run inside a collective); requests wait until the server holds
     the trainer's weights. The run finishes every step with staleness <= 1 (a deadlock here once:
     the rollout thread held the fleet's lock while it waited for the main thread's publish)."""
-    import os
-    import signal
-    import time
-
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "megatron_rl.cli", "train", "--config", str(ROOT / "examples/tiny/ci.yaml"),
@@ -68,21 +66,8 @@ def test_eta1_server_killed_mid_step_is_restarted_and_resynced_by_the_main_threa
          "trainer.total_training_steps=4", "trainer.save_interval=0", "eval.before_train=false",
          "eval.after_train=false", "rollout.max_server_restarts=1"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    err = kill_server_when(proc, run_dir, "step 1:", timeout_s=600)
     log = run_dir / "train.log"
-    try:
-        deadline = time.monotonic() + 600
-        while "step 1:" not in (log.read_text() if log.exists() else ""):
-            assert proc.poll() is None, f"run exited with {proc.returncode} before step 1"
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        pid = subprocess.run(["pgrep", "-f", f"megatron_rl.engine.*--run-dir {run_dir}"], capture_output=True,
-                             text=True).stdout.split()
-        assert len(pid) == 1, pid
-        os.kill(int(pid[0]), signal.SIGKILL)
-        _, err = proc.communicate(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == 0, err[-4000:]
     text = log.read_text()
     assert "restarting rollout server 0" in text, text[-3000:]

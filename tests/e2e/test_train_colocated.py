@@ -6,7 +6,6 @@ colocated phases are timed and their memory logged. It also survives an engine k
 and resumes exactly after SIGTERM (both slow)."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.server_faults import kill_server_when
 from tests.e2e.test_resume import _no_server_left
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,21 +78,8 @@ def test_colocated_engine_killed_mid_rollout_is_restarted(disaggregated, tmp_pat
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(_cmd(run_dir, "rollout.colocate=true", "rollout.max_server_restarts=1"),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    err = kill_server_when(proc, run_dir, "step 1:")
     log = run_dir / "train.log"
-    try:
-        deadline = time.monotonic() + 900
-        while "step 1:" not in (log.read_text() if log.exists() else ""):
-            assert proc.poll() is None, f"run exited with {proc.returncode} before step 1"
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        pid = subprocess.run(["pgrep", "-f", f"megatron_rl.engine.*--run-dir {run_dir}"], capture_output=True,
-                             text=True).stdout.split()
-        assert len(pid) == 1, pid
-        os.kill(int(pid[0]), signal.SIGKILL)
-        _, err = proc.communicate(timeout=900)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     assert proc.returncode == 0, err[-4000:]
     assert "restarting rollout server 0" in log.read_text()
     got = _rows(run_dir)
