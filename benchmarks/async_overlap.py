@@ -1,7 +1,8 @@
 """Asynchronous training on the tiny DA3PO recipe: eta = 0 vs 1 vs 2, rollout server and trainer on one core each.
 
-Issue 16's measurement. One invocation trains `examples/tiny/da3po.yaml` three times (arms
-`trainer.max_staleness` = 0, 1, 2; same seed, `--steps` RL steps each, no evaluation inside the
+Issue 16's measurement. One invocation trains `examples/tiny/da3po.yaml` once per arm (arms
+`trainer.max_staleness` = 0, 1, 1p, 1i, 2: `1p` is eta = 1 with `rollout.partial_rollout=true`, `1i` with
+`rollout.pause_mode=in_place` (`ARM_SUFFIXES`); same seed, `--steps` RL steps each, no evaluation inside the
 runs, final checkpoint saved) and reports for each arm:
 
 * RL steps per minute and generated tokens per second over the training wall time (the sum of
@@ -31,9 +32,12 @@ the same flags and thread share as `megatron-rl train` gives it) from a thread p
 core each the two sides overlap only when the trainer trains while the server generates, which is
 what eta > 0 is for. `--cpus SERVER,TRAINER` picks other cores.
 
-The 1-minute load average is sampled during each arm (`trl_compare.LoadMonitor`); a result taken
-while it exceeded `trl_compare.IDLE_LOAD_PER_CPU` x CPUs (`load_verdict`) is marked LOADED, and
-its numbers say little (the bound assumes two otherwise idle cores).
+The CPU used by processes outside the benchmark's own tree is sampled during each arm
+(`trl_compare.LoadMonitor`'s foreign CPU; the 1-minute load average is recorded too, but the two
+sides' own threads push it to 3-8 on 2 cores with nothing else running, so it cannot tell idle from
+loaded); a result where other processes used more than `trl_compare.FOREIGN_IDLE_CPUS` CPUs on
+average during an arm (`foreign_verdict`) is marked LOADED, and its numbers say little (the bound
+assumes two otherwise idle cores).
 
     .venv/bin/python benchmarks/async_overlap.py             # 20 RL steps an arm + eval; ~25-40 min idle
     .venv/bin/python benchmarks/async_overlap.py --smoke     # 2 RL steps an arm, no eval (tests)
@@ -61,12 +65,39 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from trl_compare import LoadMonitor, load_verdict, run_eval  # noqa: E402
+from trl_compare import LoadMonitor, foreign_verdict, run_eval  # noqa: E402
 
 RECIPE = REPO / "examples" / "tiny" / "da3po.yaml"
 ROLLOUT_KEYS = ("timing/generate_s", "timing/reward_s", "timing/filter_s")
 TRAIN_KEYS = ("timing/old_logprob_s", "timing/update_s", "timing/weight_sync_s")
-ETAS = (0, 1, 2)
+ETAS = ("0", "1", "1p", "1i", "2")
+
+
+ARM_SUFFIXES = {"p": ["rollout.partial_rollout=true"], "i": ["rollout.pause_mode=in_place"]}
+"""Arm label suffixes and the overrides they add: `p` resumes a request aborted by a live update from
+its prefix (`rollout.partial_rollout`), `i` keeps requests in flight through the update on the new
+weights (`rollout.pause_mode: in_place`); a bare eta uses the recipe's `pause_mode: abort`, which
+restarts aborted requests from scratch."""
+
+
+def arm_eta(label) -> int:
+    """`trainer.max_staleness` of an arm label: an integer with an optional suffix of `ARM_SUFFIXES`
+    (`1`, `1p`, `1i`).
+
+    Raises:
+        ValueError: any other label.
+    """
+    text = str(label)
+    core = text[:-1] if text[-1:] in ARM_SUFFIXES else text
+    if not core.isdigit():
+        raise ValueError(f"arm {text!r}: expected an integer eta with an optional suffix "
+                         f"({', '.join(ARM_SUFFIXES)}), e.g. 1, 1p or 1i")
+    return int(core)
+
+
+def arm_overrides(label) -> list[str]:
+    """The config overrides an arm label adds (`ARM_SUFFIXES`; none for a bare eta)."""
+    return list(ARM_SUFFIXES.get(str(label)[-1:], []))
 
 
 def step_rows(run_dir: Path) -> list[dict]:
@@ -117,9 +148,12 @@ def compare(arms: dict[int, list[dict]], skip_first: int = 0) -> dict:
     left out when at least one step remains (default none: in async mode step 1 fills the pipeline
     and the next steps profit from it, so only the whole run compares fairly)."""
     used = {eta: (rows[skip_first:] if len(rows) > skip_first else rows) for eta, rows in arms.items()}
-    bound = overlap_bound(used[0])
-    out = {eta: arm_summary(rows) for eta, rows in sorted(used.items())}
-    base = out[0]["rl_steps_per_min"]
+    zero = next((k for k in used if str(k) == "0"), None)
+    if zero is None:
+        raise ValueError("compare needs the eta = 0 arm (labelled 0): the bound comes from its timings")
+    bound = overlap_bound(used[zero])
+    out = {eta: arm_summary(rows) for eta, rows in sorted(used.items(), key=lambda kv: (arm_eta(kv[0]), str(kv[0])))}
+    base = out[zero]["rl_steps_per_min"]
     for s in out.values():
         s["speedup"] = s["rl_steps_per_min"] / base
         s["share_of_bound"] = s["speedup"] / bound["bound"]
@@ -135,21 +169,22 @@ def format_table(result: dict) -> str:
              f"train {b['train_s']:.2f} s) = {b['bound']:.2f}x"
              + ("" if result.get("idle", True) else f"   ** LOADED MACHINE: {result.get('load_verdict', '')} **"),
              f"| eta | steps | step s | RL steps/min | gen tok/s | wait s | speed-up | % of bound | staleness mean/max "
-             f"| resubmitted | avg@{n} | load max |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"| resubmitted | avg@{n} | other CPUs |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for eta, s in result["arms"].items():
         ev = (result.get("eval") or {}).get(str(eta))
         acc = f"{ev[f'avg@{n}']:.3f}" if ev else "-"
-        load = s.get("loadavg_max")
+        load = s.get("foreign_cpus_mean")
         lines.append(f"| {eta} | {s['steps']} | {s['mean_step_s']:.2f} | {s['rl_steps_per_min']:.2f} | "
                      f"{s['generated_tokens_per_s']:.0f} | {s['wait_rollout_s']:.2f} | {s['speedup']:.2f}x | "
                      f"{100 * s['share_of_bound']:.0f}% | {s['staleness_mean']:.2f}/{s['staleness_max']:.0f} | "
                      f"{s['resubmitted']} | {acc} | "
-                     f"{'-' if load is None else f'{load:.1f}'} |")
+                     f"{'-' if load is None else f'{load:.2f}'} |")
     return "\n".join(lines)
 
 
-def run_arm(eta: int, work: Path, steps: int, seed: int, cpus: tuple[int, int], log) -> tuple[list[dict], dict]:
-    """Train the recipe with `trainer.max_staleness=eta` for `steps` steps, the server pinned to
+def run_arm(label: str, work: Path, steps: int, seed: int, cpus: tuple[int, int], log) -> tuple[list[dict], dict]:
+    """Train the recipe with `trainer.max_staleness` = the arm's eta (`arm_eta(label)`, plus the
+    label's `arm_overrides`) for `steps` steps, the server pinned to
     `cpus[0]` and the trainer to `cpus[1]`; returns (step rows, {wall, load}).
 
     Raises:
@@ -158,12 +193,13 @@ def run_arm(eta: int, work: Path, steps: int, seed: int, cpus: tuple[int, int], 
     from megatron_rl.config import load_config
     from megatron_rl.rollout.engine_set import EngineSet
 
-    run_dir = work / f"eta{eta}"
+    eta = arm_eta(label)
+    run_dir = work / f"eta{label}"
     shutil.rmtree(run_dir, ignore_errors=True)
     overrides = [f"run_dir={run_dir}", f"trainer.total_training_steps={steps}", "trainer.save_interval=0",
                  "trainer.save_last=true", "trainer.progress_bar=false", "trainer.tensorboard=false",
                  f"trainer.seed={seed}", "eval.before_train=false", "eval.after_train=false",
-                 f"trainer.max_staleness={eta}"]
+                 f"trainer.max_staleness={eta}"] + arm_overrides(label)
     cfg = load_config(RECIPE, overrides)
     mine = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {cpus[0]})  # the launch thread and the server inherit core cpus[0]
@@ -179,17 +215,18 @@ def run_arm(eta: int, work: Path, steps: int, seed: int, cpus: tuple[int, int], 
         cmd = ["taskset", "-c", str(cpus[1]), str(cli), "train", "--config", str(RECIPE), *overrides,
                f"rollout.server_urls=[{url[0]}]"]
         t0 = time.perf_counter()
-        with open(work / f"eta{eta}.log", "w") as fh, LoadMonitor() as load:
+        with open(work / f"eta{label}.log", "w") as fh, LoadMonitor() as load:
             r = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, cwd=REPO)
         wall = time.perf_counter() - t0
     finally:
         engines.stop()
     if r.returncode:
-        raise SystemExit(f"eta {eta}: megatron-rl train failed (exit {r.returncode}); log: {work / f'eta{eta}.log'}")
+        raise SystemExit(f"arm {label}: megatron-rl train failed (exit {r.returncode}); log: {work / f'eta{label}.log'}")
     rows = step_rows(run_dir)
-    log(f"eta {eta}: {len(rows)} steps, {sum(x['timing/step_s'] for x in rows):.1f} s of steps, {wall:.1f} s in all, "
-        f"load max {load.max:.1f}")
+    log(f"arm {label}: {len(rows)} steps, {sum(x['timing/step_s'] for x in rows):.1f} s of steps, {wall:.1f} s in all, "
+        f"load max {load.max:.1f}, other processes {load.foreign_mean or 0:.2f} CPUs on average")
     return rows, {"process_wall_s": wall, "loadavg_max": load.max, "loadavg_mean": load.mean,
+                  "foreign_cpus_mean": load.foreign_mean, "foreign_cpus_max": load.foreign_max,
                   "checkpoint": str(run_dir), "server_affinity": server_cpus}
 
 
@@ -199,7 +236,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20, help="RL steps per arm")
     ap.add_argument("--smoke", action="store_true", help="2 RL steps per arm, no evaluation (tests)")
     ap.add_argument("--skip-eval", action="store_true", help="no held-out evaluation")
-    ap.add_argument("--etas", default=",".join(map(str, ETAS)), help="the arms (0 must be one: the bound's source)")
+    ap.add_argument("--etas", default=",".join(map(str, ETAS)), help="the arms: eta values with an optional suffix, p = rollout.partial_rollout=true, i = "
+                         "rollout.pause_mode=in_place (0 must be one: the bound's source)")
     ap.add_argument("--cpus", default="0,1", help="SERVER_CPU,TRAINER_CPU")
     ap.add_argument("--skip-first", type=int, default=0,
                     help="leave the first N steps of each arm out (flatters eta > 0)")
@@ -213,9 +251,14 @@ def main() -> None:
     args = ap.parse_args()
     steps = 2 if args.smoke else args.steps
     out = args.out or REPO / "benchmarks" / "results" / f"async_overlap{'_smoke' if args.smoke else ''}.json"
-    etas = sorted({int(x) for x in args.etas.split(",")})
+    etas = list(dict.fromkeys(x.strip() for x in args.etas.split(",") if x.strip()))
+    try:
+        sorted_etas = sorted(etas, key=lambda x: (arm_eta(x), x))
+    except ValueError as e:
+        ap.error(f"--etas: {e}")
+    etas = sorted_etas
     cpus = tuple(int(x) for x in args.cpus.split(","))
-    if 0 not in etas or len(cpus) != 2:
+    if "0" not in etas or len(cpus) != 2:
         ap.error("--etas must include 0 and --cpus must name two cores")
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="megatron-rl-async-overlap-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -237,7 +280,7 @@ def main() -> None:
     result = compare(arms, args.skip_first)
     for eta, side in sides.items():
         result["arms"][eta].update(side)
-    idle, why = load_verdict({f"eta{e}": s for e, s in sides.items()}, os.cpu_count() or 1)
+    idle, why = foreign_verdict({f"eta{e}": s for e, s in sides.items()})
     result.update(benchmark="async_overlap", recipe=os.path.relpath(RECIPE, REPO), steps=steps, smoke=args.smoke,
                   cpus={"server": cpus[0], "trainer": cpus[1]}, cpu_count=os.cpu_count(), idle=idle,
                   load_verdict=why, eval_n=args.eval_n, eval={})

@@ -41,6 +41,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "examples" / "tiny"
@@ -135,20 +136,75 @@ IDLE_LOAD_PER_CPU = 1.25
 machine of issue 22): only such a run may write the README's table."""
 
 
+def _busy_jiffies() -> Optional[int]:
+    """Busy CPU time of the whole machine so far (/proc/stat's first line minus idle and iowait), in
+    clock ticks; None without /proc."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return sum(fields[:8]) - fields[3] - fields[4]  # user..steal, less idle and iowait
+
+
+def _tree_jiffies(root: int) -> int:
+    """CPU time (utime + stime + cutime + cstime, clock ticks) of `root` and its live descendants:
+    the children that exited and were waited for are in their parent's cutime/cstime."""
+    children: dict[int, list[int]] = {}
+    times: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        rest = stat[stat.rindex(")") + 2:].split()  # fields from 3 (state) on
+        pid = int(entry)
+        children.setdefault(int(rest[1]), []).append(pid)
+        times[pid] = sum(int(x) for x in rest[11:15])  # fields 14-17
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        total += times.get(pid, 0)
+        todo.extend(children.get(pid, ()))
+    return total
+
+
 class LoadMonitor:
-    """Samples the 1-minute load average every `period_s` seconds on a thread while in a `with`
-    block: `max`, `mean` (load average units), `samples`."""
+    """Samples, every `period_s` seconds on a thread while in a `with` block, the 1-minute load
+    average (`max`, `mean`, `values`; load-average units) and the **foreign CPU**: CPUs' worth of
+    busy time spent by processes outside this process's own tree (this benchmark, the runs it
+    started and their servers) over each interval (`foreign_max`, `foreign_mean`, in CPUs, from
+    /proc/stat minus the tree's utime/stime; None without /proc). The load average counts this
+    benchmark's own runnable threads too (a trainer and a server busy side by side read 3-8 on 2
+    cores with nothing else running), so it cannot tell an idle machine from a loaded one; the
+    foreign CPU can."""
 
     def __init__(self, period_s: float = 2.0) -> None:
         import threading
 
         self.period_s, self.values = period_s, [os.getloadavg()[0]]
+        self.foreign: list[float] = []
+        self._hz = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self._last = self._cpu_sample()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
+    def _cpu_sample(self) -> Optional[tuple[float, int, int]]:
+        busy = _busy_jiffies()
+        return None if busy is None else (time.monotonic(), busy, _tree_jiffies(os.getpid()))
+
+    def _sample(self) -> None:
+        self.values.append(os.getloadavg()[0])
+        now = self._cpu_sample()
+        if now is not None and self._last is not None and now[0] > self._last[0]:
+            foreign = (now[1] - self._last[1]) - (now[2] - self._last[2])
+            self.foreign.append(max(0.0, foreign / self._hz / (now[0] - self._last[0])))
+        self._last = now
+
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
-            self.values.append(os.getloadavg()[0])
+            self._sample()
 
     def __enter__(self) -> "LoadMonitor":
         self._thread.start()
@@ -157,7 +213,7 @@ class LoadMonitor:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
-        self.values.append(os.getloadavg()[0])
+        self._sample()
 
     @property
     def max(self) -> float:
@@ -166,6 +222,14 @@ class LoadMonitor:
     @property
     def mean(self) -> float:
         return sum(self.values) / len(self.values)
+
+    @property
+    def foreign_max(self) -> Optional[float]:
+        return max(self.foreign) if self.foreign else None
+
+    @property
+    def foreign_mean(self) -> Optional[float]:
+        return sum(self.foreign) / len(self.foreign) if self.foreign else None
 
 
 def load_verdict(sides: dict, cpus: int) -> tuple[bool, str]:
@@ -181,6 +245,25 @@ def load_verdict(sides: dict, cpus: int) -> tuple[bool, str]:
         return False, "load average reached " + ", ".join(f"{v:.1f} ({n})" for n, v in over.items()) + \
             f" > {limit:.1f} ({IDLE_LOAD_PER_CPU} x {cpus} CPUs)"
     return True, f"load average <= {max(worst.values()):.1f} (limit {limit:.1f})"
+
+
+FOREIGN_IDLE_CPUS = 0.2
+"""A side counts as run on an idle machine when processes outside the benchmark's own tree used at
+most this many CPUs on average during it (`LoadMonitor.foreign_mean`)."""
+
+
+def foreign_verdict(sides: dict) -> tuple[bool, str]:
+    """(idle, why) from each side's `foreign_cpus_mean` (`LoadMonitor`): idle when every side's
+    foreign CPU stayed <= FOREIGN_IDLE_CPUS on average. A side without the measure is not idle."""
+    worst = {name: side.get("foreign_cpus_mean") for name, side in sides.items()}
+    unknown = [n for n, v in worst.items() if v is None]
+    if unknown:
+        return False, f"no foreign-CPU samples for {', '.join(unknown)} (no /proc, or an old --reuse side file)"
+    over = {n: v for n, v in worst.items() if v > FOREIGN_IDLE_CPUS}
+    if over:
+        return False, "other processes used " + ", ".join(f"{v:.2f} CPUs ({n})" for n, v in over.items()) + \
+            f" on average > {FOREIGN_IDLE_CPUS}"
+    return True, f"other processes used <= {max(worst.values()):.2f} CPUs on average (limit {FOREIGN_IDLE_CPUS})"
 
 
 def readme_table(result: dict) -> str:

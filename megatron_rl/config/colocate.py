@@ -83,6 +83,12 @@ def check_colocate(cfg: Config, hf: Optional[dict[str, Any]] = None) -> None:
     if r.backend not in COLOCATED_BACKENDS:
         raise ConfigError(f"rollout.colocate: true with rollout.backend={r.backend}: colocated mode needs the "
                           f"release / resume / update_weights_from_tensor endpoints ({', '.join(COLOCATED_BACKENDS)})")
+    if r.server_urls:
+        raise ConfigError(f"rollout.server_urls: {len(r.server_urls)} running server(s) with rollout.colocate: true; "
+                          "colocated engines are started by megatron-rl train itself on the trainer's devices (they "
+                          "release and resume memory in turn with it, and accept IPC handles only from the process "
+                          "tree that launched them); unset rollout.server_urls (rollout.num_servers sets how many) "
+                          "or set rollout.colocate=false")
     if t.pipeline_model_parallel_size > 1:
         raise ConfigError(f"rollout.colocate: true with trainer.pipeline_model_parallel_size "
                           f"{t.pipeline_model_parallel_size}: the engines accept IPC handles only from the process "
@@ -95,8 +101,7 @@ def check_colocate(cfg: Config, hf: Optional[dict[str, Any]] = None) -> None:
     fit = devices // r.tp_size
     engines = colocated_engines(cfg)
     if engines > fit:
-        key = "rollout.server_urls" if r.server_urls else "rollout.num_servers"
-        raise ConfigError(f"{key}: {engines} engines with rollout.colocate: true, but trainer.nproc_per_node "
+        raise ConfigError(f"rollout.num_servers: {engines} engines with rollout.colocate: true, but trainer.nproc_per_node "
                           f"{devices} / rollout.tp_size {r.tp_size} = {fit} devices groups hold at most {fit} "
                           "(one engine per rollout.tp_size trainer devices)")
     if hf is None or r.mem_fraction_static is None:

@@ -36,23 +36,30 @@ def _check_finite(obj: Any, prefix: str = "") -> None:
 
 
 def _check_vllm(cfg: Config) -> None:
-    """What vLLM's weight transfer cannot do (docs/VLLM_API.md), for `vllm` and its stand-in alike."""
+    """What vLLM's weight transfer cannot do (docs/VLLM_API.md), for `vllm` and its stand-in alike.
+    Every problem found is reported in one `ConfigError` (one per line), so a user fixes them at once."""
     r, ws = cfg.rollout, cfg.weight_sync
     if r.backend not in ("vllm", "vllm-embedded"):
         return
+    problems = []
     if ws.load_format is not None:
-        raise ConfigError(f"weight_sync.load_format: {ws.load_format!r} is SGLang's; vLLM's /update_weights receives "
-                          f"one broadcast per tensor (set it to null with rollout.backend={r.backend})")
+        problems.append(f"weight_sync.load_format: {ws.load_format!r} is SGLang's; vLLM's /update_weights receives "
+                        f"one broadcast per tensor (set it to null with rollout.backend={r.backend})")
     if cfg.trainer.pipeline_model_parallel_size > 1:
-        raise ConfigError(f"trainer.pipeline_model_parallel_size {cfg.trainer.pipeline_model_parallel_size} with "
-                          f"rollout.backend={r.backend}: a vLLM server has one weight-transfer group, each pipeline "
-                          "stage sends over its own (use pipeline_model_parallel_size 1)")
+        problems.append(f"trainer.pipeline_model_parallel_size {cfg.trainer.pipeline_model_parallel_size} with "
+                        f"rollout.backend={r.backend}: a vLLM server has one weight-transfer group, each pipeline "
+                        "stage sends over its own (use pipeline_model_parallel_size 1)")
     if r.backend == "vllm" and ws.backend != "nccl":
-        raise ConfigError("weight_sync.backend: vLLM's weight transfer is NCCL only (rollout.backend=vllm needs "
-                          "weight_sync.backend=nccl)")
+        problems.append("weight_sync.backend: vLLM's weight transfer is NCCL only (rollout.backend=vllm needs "
+                        "weight_sync.backend=nccl and CUDA GPUs; on a CPU machine use rollout.backend=vllm-embedded, "
+                        "the embedded server speaking vLLM's API)")
     if r.admin_api_key:
-        raise ConfigError(f"rollout.admin_api_key: vLLM has no admin key (its --api-key guards /v1 only); "
-                          f"unset it with rollout.backend={r.backend}")
+        problems.append(f"rollout.admin_api_key: vLLM has no admin key (its --api-key guards /v1 only); "
+                        f"unset it with rollout.backend={r.backend}")
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError(f"rollout.backend={r.backend}: {len(problems)} problems:\n  - " + "\n  - ".join(problems))
 
 
 def rollout_correction_of(cfg: Config) -> ResolvedCorrection:

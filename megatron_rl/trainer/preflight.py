@@ -155,10 +155,41 @@ def rollout_servers(cfg: Config) -> Optional[str]:
     return None
 
 
+#: The engine versions whose API the clients speak (docs/SGLANG_API.md, docs/VLLM_API.md): a launch with
+#: another minor version is logged as a warning (its answers are checked per request).
+ENGINE_PINS: dict[str, str] = {"sglang": "0.5.", "vllm": "0.33."}
+
+
+def engine_package_version(python: str, package: str, timeout_s: float = 120.0) -> Optional[str]:
+    """The version of `package` installed for interpreter `python` (read from its metadata, without
+    importing the package: vLLM takes ~20 s to import), or None when it is not installed there.
+
+    Raises:
+        RuntimeError: the interpreter could not be run or did not answer within `timeout_s` seconds.
+    """
+    import subprocess
+
+    code = ("import importlib.metadata as m, sys\n"
+            "try:\n    print(m.version(sys.argv[1]))\n"
+            "except m.PackageNotFoundError:\n    sys.exit(3)\n")
+    try:
+        r = subprocess.run([python, "-c", code, package], capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise RuntimeError(f"could not ask {python!r} for its {package} version: {e}") from e
+    if r.returncode == 3:
+        return None
+    if r.returncode:
+        raise RuntimeError(f"{python!r} failed to report its {package} version (exit {r.returncode}): "
+                           f"{r.stderr.strip()[-300:]}")
+    return r.stdout.strip()
+
+
 def engine_environment(cfg: Config) -> Optional[str]:
     """Engines this run starts itself with `rollout.backend` sglang or vllm: their interpreter
-    (`rollout.sglang_python` / `rollout.vllm_python`) must exist, and vLLM needs a CUDA GPU (its NCCL
-    weight transfer; the CPU stand-in is `rollout.backend: vllm-embedded`)."""
+    (`rollout.sglang_python` / `rollout.vllm_python`) must exist and have the engine installed
+    (a version other than the pinned minor, `ENGINE_PINS`, is a logged warning), and vLLM needs a
+    CUDA GPU (its NCCL weight transfer; the CPU stand-in is `rollout.backend: vllm-embedded`).
+    Every problem found is reported in one `RuntimeError`, one per line."""
     import shutil
 
     r = cfg.rollout
@@ -166,16 +197,35 @@ def engine_environment(cfg: Config) -> Optional[str]:
         return f"not applicable: rollout.backend is {r.backend}" + (" with rollout.server_urls" if r.server_urls else "")
     key = f"rollout.{r.backend}_python"
     python = getattr(r, f"{r.backend}_python")
+    problems = []
     if shutil.which(python) is None and not (os.path.isfile(python) and os.access(python, os.X_OK)):
-        raise RuntimeError(f"{key}: {python!r} is not an executable; point it at the Python of the environment "
-                           f"where {r.backend} is installed")
+        problems.append(f"{key}: {python!r} is not an executable; point it at the Python of the environment "
+                        f"where {r.backend} is installed")
+    else:
+        try:
+            version = engine_package_version(python, r.backend)
+        except RuntimeError as e:
+            problems.append(f"{key}: {e}")
+        else:
+            if version is None:
+                problems.append(f"{key}: {r.backend} is not installed for {python!r} (pip install "
+                                f"'{r.backend}=={ENGINE_PINS[r.backend]}*' in that environment, or point {key} at "
+                                "the Python that has it)")
+            elif not version.startswith(ENGINE_PINS[r.backend]):
+                logger.warning("%s: %s %s is installed for %r; megatron-rl speaks the API of %s%s (answers that "
+                               "differ fail with an error naming the version)", key, r.backend, version, python,
+                               r.backend, ENGINE_PINS[r.backend] + "x")
     if r.backend == "vllm":
         import torch
 
         if not torch.cuda.is_available():
-            raise RuntimeError("rollout.backend=vllm needs a CUDA GPU (vLLM serves on GPUs and its weight transfer "
-                               "is NCCL); on CPU use rollout.backend=vllm-embedded, the embedded server in vLLM's "
-                               "dialect")
+            problems.append("rollout.backend=vllm needs a CUDA GPU (vLLM serves on GPUs and its weight transfer "
+                            "is NCCL); on CPU use rollout.backend=vllm-embedded, the embedded server in vLLM's "
+                            "dialect")
+    if len(problems) == 1:
+        raise RuntimeError(problems[0])
+    if problems:
+        raise RuntimeError(f"rollout.backend={r.backend}: {len(problems)} problems:\n  - " + "\n  - ".join(problems))
     return None
 
 
@@ -190,7 +240,8 @@ CHECKS: tuple[Check, ...] = (
     Check("sequence_parallel", "Transformer Engine for sequence parallelism", sequence_parallel),
     Check("model_files", "model.path holds a Hugging Face model", model_files),
     Check("rollout_servers", "rollout servers reachable (rollout.server_urls)", rollout_servers),
-    Check("engine_environment", "the engines' Python (rollout.sglang_python / vllm_python) and, for vLLM, a GPU",
+    Check("engine_environment", "the engines' Python (rollout.sglang_python / vllm_python) with the engine "
+          "installed in it (sglang 0.5.x / vllm 0.33.x) and, for vLLM, a GPU",
           engine_environment),
 )
 """Every launch-time check, in the order `run_preflight` runs them."""

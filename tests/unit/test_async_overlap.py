@@ -62,12 +62,12 @@ def test_compare_scores_each_arm_against_the_bound(ao):
 
     r.update(idle=False, load_verdict="load average reached 9.0 (eta0) > 2.5 (1.25 x 2 CPUs)", eval_n=8,
              eval={"0": {"avg@8": 0.41}, "1": {"avg@8": 0.4}})
-    r["arms"][0]["loadavg_max"] = 9.0
+    r["arms"][0]["foreign_cpus_mean"] = 1.25
     table = ao.format_table(json.loads(json.dumps(r)))  # as written to the JSON: string keys
     assert "bound" in table and "= 1.54x" in table and "LOADED MACHINE" in table
     lines = table.splitlines()
     assert lines[3].startswith("| 0 | 2 | 10.00 | 6.00 | 100 | 0.00 | 1.00x | 65% |")
-    assert "| 0 | 0.410 | 9.0 |" in lines[3]
+    assert "| 0 | 0.410 | 1.25 |" in lines[3]
     assert lines[4].startswith("| 1 | 2 | 7.00 | 8.57 | 143 | 3.00 | 1.43x | 93% | 0.60/1 | 5 | 0.400 | - |")
 
 
@@ -76,3 +76,14 @@ def test_step_rows_keep_the_last_row_of_a_step(ao, tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     got = ao.step_rows(tmp_path)
     assert [(r["step"], r["timing/step_s"]) for r in got] == [(1, 4.0), (2, 6.0)]
+
+
+def test_arm_labels(ao):
+    assert [ao.arm_eta(x) for x in ("0", "1", "1p", "1i", "12")] == [0, 1, 1, 1, 12]
+    assert ao.arm_overrides("1p") == ["rollout.partial_rollout=true"]
+    assert ao.arm_overrides("2i") == ["rollout.pause_mode=in_place"] and ao.arm_overrides("2") == []
+    for bad in ("x", "1q", "p", ""):
+        with pytest.raises(ValueError, match="expected an integer eta"):
+            ao.arm_eta(bad)
+    with pytest.raises(ValueError, match="needs the eta = 0 arm"):
+        ao.compare({"1": [_row(1, 10.0)]})

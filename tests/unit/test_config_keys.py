@@ -140,18 +140,38 @@ def test_preflight_checks_have_stable_names():
     assert isinstance(Config(), Config)
 
 
-def test_engine_environment_check_names_the_key(tmp_path):
-    from megatron_rl.trainer.preflight import engine_environment
+def test_engine_environment_check_names_the_key(tmp_path, caplog):
+    import sys
+
+    import torch
+
+    from megatron_rl.trainer.preflight import engine_environment, engine_package_version
 
     cfg = load_config(None, BASE + ["rollout.backend=vllm", "rollout.vllm_python=/nonexistent/python",
                                     "weight_sync.backend=nccl"])
     with pytest.raises(RuntimeError, match="rollout.vllm_python: '/nonexistent/python' is not an executable"):
         engine_environment(cfg)
-    import torch
-
-    if not torch.cuda.is_available():
+    # this venv has neither engine: the package check names the key and the install line
+    assert engine_package_version(sys.executable, "vllm") is None
+    assert engine_package_version(sys.executable, "pyyaml") == __import__("importlib.metadata").metadata.version("pyyaml")
+    cfg = load_config(None, BASE + ["rollout.backend=sglang", f"rollout.sglang_python={sys.executable}"])
+    with pytest.raises(RuntimeError, match=r"rollout.sglang_python: sglang is not installed for .*pip install 'sglang==0.5.\*'"):
+        engine_environment(cfg)
+    if not torch.cuda.is_available():  # both problems at once, not the first alone
         cfg = load_config(None, BASE + ["rollout.backend=vllm", "weight_sync.backend=nccl",
-                                        f"rollout.vllm_python={__import__('sys').executable}"])
-        with pytest.raises(RuntimeError, match="needs a CUDA GPU.*vllm-embedded"):
+                                        f"rollout.vllm_python={sys.executable}"])
+        with pytest.raises(RuntimeError) as e:
             engine_environment(cfg)
+        msg = str(e.value)
+        assert msg.startswith("rollout.backend=vllm: 2 problems:")
+        assert "vllm is not installed" in msg and "needs a CUDA GPU" in msg and "vllm-embedded" in msg
+    # a fake interpreter with vLLM 0.32 installed: accepted with a warning naming the version
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho 0.32.1\n")
+    fake.chmod(0o755)
+    assert engine_package_version(str(fake), "vllm") == "0.32.1"
+    cfg = load_config(None, BASE + ["rollout.backend=sglang", f"rollout.sglang_python={fake}"])
+    with caplog.at_level("WARNING", logger="megatron_rl.trainer.preflight"):
+        assert engine_environment(cfg) is None
+    assert "sglang 0.32.1 is installed" in caplog.text and "0.5.x" in caplog.text
     assert engine_environment(load_config(None, BASE)).startswith("not applicable")

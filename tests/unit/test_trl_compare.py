@@ -77,6 +77,35 @@ def test_load_monitor_samples_while_running(tc):
     assert len(load.values) >= 3 and load.max >= load.mean >= 0
 
 
+def test_foreign_verdict(tc):
+    idle, why = tc.foreign_verdict({"eta0": {"foreign_cpus_mean": 0.05}, "eta1": {"foreign_cpus_mean": 0.2}})
+    assert idle and "<= 0.20 CPUs" in why
+    idle, why = tc.foreign_verdict({"eta0": {"foreign_cpus_mean": 0.05}, "eta1": {"foreign_cpus_mean": 0.9}})
+    assert not idle and "0.90 CPUs (eta1)" in why
+    assert tc.foreign_verdict({"eta0": {"loadavg_max": 1.0}})[0] is False  # an old side file
+
+
+def test_load_monitor_counts_a_foreign_busy_process_but_not_its_own_children(tc):
+    """A busy loop detached from this process tree (setsid + double fork: its parent becomes init)
+    is foreign CPU; the same loop as this process's own child is not."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    busy = [sys.executable, "-c", "import time\nt=time.time()\nwhile time.time()-t<1.5: pass"]
+    if not os.path.isdir("/proc"):
+        pytest.skip("needs /proc")
+    with tc.LoadMonitor(period_s=0.25) as own:
+        subprocess.run(busy, check=True)
+    with tc.LoadMonitor(period_s=0.25) as foreign:
+        subprocess.run(["setsid", "sh", "-c", " ".join(f"'{a}'" for a in busy) + " &"], check=True)
+        time.sleep(1.6)
+    # the detached loop kept about one CPU busy outside the tree; the child's CPU was ours
+    assert foreign.foreign_mean > own.foreign_mean + 0.4
+    assert own.foreign_mean < 0.6
+
+
 def test_readme_table(tc):
     side = {"rl_steps_per_min": 60.0, "generated_tokens_per_s": 3000.0, "median_step_s": 1.0}
     result = {"megatron_rl": side, "trl": {**side, "rl_steps_per_min": 50.0},

@@ -284,6 +284,26 @@ def test_config_accepts_vllm_and_checks_what_vllm_cannot_do():
         _check_vllm(cfg)
 
 
+def test_vllm_config_problems_are_reported_all_at_once():
+    """A recipe switched to rollout.backend=vllm with three problems names all three in one error
+    (the first one used to hide the others), and points CPU users at the stand-in."""
+    from megatron_rl.config.schema import Config
+    from megatron_rl.config.validate import _check_vllm
+    from megatron_rl.errors import ConfigError
+
+    cfg = Config()
+    cfg.rollout.backend = "vllm"
+    cfg.weight_sync.load_format = "flattened_bucket"
+    cfg.rollout.admin_api_key = "adm"
+    with pytest.raises(ConfigError) as e:
+        _check_vllm(cfg)
+    msg = str(e.value)
+    assert msg.startswith("rollout.backend=vllm: 3 problems:")
+    for key in ("weight_sync.load_format", "weight_sync.backend", "rollout.admin_api_key"):
+        assert f"\n  - {key}:" in msg
+    assert "vllm-embedded" in msg
+
+
 def test_flush_cache_reports_vllms_refusal():
     fake = FakeVLLM()
     c = _client(fake)
