@@ -11,7 +11,8 @@ asks) and `actor.old_logprob_source` (recompute) are new (issue 16), and so are 
 Added since: `examples/qwen2.5-32b/dapo-vllm.yaml` (issue 18), recorded with `_resolved` below; it
 must stay dapo.yaml with vLLM engines (`test_dapo_vllm_is_dapo_with_vllm_engines`). Added since:
 `examples/qwen2.5-32b/dapo-async.yaml` (issue 16, eta = 1), recorded with `_resolved`; it must stay
-dapo.yaml with `trainer.max_staleness: 1` and partial rollouts (`test_dapo_async_is_dapo_with_eta_1`)."""
+dapo.yaml with `trainer.max_staleness: 1` and partial rollouts (`test_dapo_async_is_dapo_with_eta_1`). Changed since (issue 16's measurement): the
+tiny recipes set `rollout.pause_mode: in_place` (it acts only with `trainer.max_staleness` > 0)."""
 
 import json
 from pathlib import Path
