@@ -36,6 +36,14 @@ from megatron_rl.rollout.live import concat_spans, spans_of
 logger = logging.getLogger(__name__)
 
 
+def request_id(tag: str, i: int, j: int, n: int) -> str:
+    """The rid of response `j` (of `n`) to prompt `i` of batch `tag`: `{tag}-p{i}-r{j}`, with `j`
+    zero-padded to the width of `n - 1`, because engines abort by rid *prefix* (SGLang's
+    `/abort_request`): unpadded, aborting `...-r1` would also abort `...-r10` to `...-r15`. Prompt
+    indices need no padding: `-p1-` is never a prefix of `-p10-`. Resubmissions append `-a{k}`."""
+    return f"{tag}-p{i}-r{j:0{len(str(max(n - 1, 0)))}d}"
+
+
 @dataclass
 class Sample:
     """One response of one group, with everything the trainer needs.
@@ -210,7 +218,7 @@ class RolloutManager:
     ) -> list[list]:
         """Sample `n` responses for every row; returns GenerateResults as [P][n], in input order.
 
-        `tag` prefixes every request id (`{tag}-p{i}-r{j}`) so a whole batch can be aborted by
+        `tag` prefixes every request id (`request_id`: `{tag}-p{i}-r{j}`) so a whole batch can be aborted by
         prefix; `seed_parts` (e.g. (seed, step, batch)) are mixed into each `sampling_seed`.
         `on_response(i)`, if given, is called (on a worker thread) when a response of row i ends.
         """
@@ -222,7 +230,7 @@ class RolloutManager:
                 params = dict(sampling_params)
                 params["max_new_tokens"] = max_new
                 params["sampling_seed"] = derive_seed(*seed_parts, i, j)
-                futures.append(self._executor.submit(self._generate_one, i * n + j, ids, params, f"{tag}-p{i}-r{j}"))
+                futures.append(self._executor.submit(self._generate_one, i * n + j, ids, params, request_id(tag, i, j, n)))
                 if on_response is not None:
                     futures[-1].add_done_callback(lambda f, i=i: on_response(i))
         results = [f.result() for f in futures]
@@ -400,7 +408,7 @@ class RolloutManager:
             for j in range(n):
                 params = dict(sampling_params, max_new_tokens=max_new,
                               sampling_seed=derive_seed(self.seed, step, gen_batch, i, j))
-                futures[self._executor.submit(self._generate_one, i * n + j, ids, params, f"{tag}-p{i}-r{j}")] = (i, j)
+                futures[self._executor.submit(self._generate_one, i * n + j, ids, params, request_id(tag, i, j, n))] = (i, j)
         results: list[list] = [[None] * n for _ in rows]
         remaining = [n] * len(rows)
         finished: dict[int, Group] = {}
