@@ -232,19 +232,26 @@ class LoadMonitor:
         return sum(self.foreign) / len(self.foreign) if self.foreign else None
 
 
+def _verdict(sides: dict, key: str, limit: float, missing: str, fmt: str, over_text: str,
+             ok_text: str) -> tuple[bool, str]:
+    """(idle, why): every side's `sides[name][key]` is known and <= `limit` (`fmt` formats values)."""
+    worst = {name: side.get(key) for name, side in sides.items()}
+    unknown = [n for n, v in worst.items() if v is None]
+    if unknown:
+        return False, f"no {missing} samples for {', '.join(unknown)}"
+    over = {n: v for n, v in worst.items() if v > limit}
+    if over:
+        return False, over_text.format(", ".join(f"{v:{fmt}} ({n})" for n, v in over.items()))
+    return True, ok_text.format(f"{max(worst.values()):{fmt}}")
+
+
 def load_verdict(sides: dict, cpus: int) -> tuple[bool, str]:
     """(idle, why): whether every side's sampled load average stayed <= IDLE_LOAD_PER_CPU x `cpus`.
     A side without samples (an older `--reuse` side file) is not idle."""
     limit = IDLE_LOAD_PER_CPU * cpus
-    worst = {name: side.get("loadavg_max") for name, side in sides.items()}
-    unknown = [n for n, v in worst.items() if v is None]
-    if unknown:
-        return False, f"no load samples for {', '.join(unknown)} (rerun without --reuse)"
-    over = {n: v for n, v in worst.items() if v > limit}
-    if over:
-        return False, "load average reached " + ", ".join(f"{v:.1f} ({n})" for n, v in over.items()) + \
-            f" > {limit:.1f} ({IDLE_LOAD_PER_CPU} x {cpus} CPUs)"
-    return True, f"load average <= {max(worst.values()):.1f} (limit {limit:.1f})"
+    return _verdict(sides, "loadavg_max", limit, "load", ".1f",
+                    f"load average reached {{}} > {limit:.1f} ({IDLE_LOAD_PER_CPU} x {cpus} CPUs)",
+                    f"load average <= {{}} (limit {limit:.1f})")
 
 
 FOREIGN_IDLE_CPUS = 0.2
@@ -255,15 +262,9 @@ most this many CPUs on average during it (`LoadMonitor.foreign_mean`)."""
 def foreign_verdict(sides: dict) -> tuple[bool, str]:
     """(idle, why) from each side's `foreign_cpus_mean` (`LoadMonitor`): idle when every side's
     foreign CPU stayed <= FOREIGN_IDLE_CPUS on average. A side without the measure is not idle."""
-    worst = {name: side.get("foreign_cpus_mean") for name, side in sides.items()}
-    unknown = [n for n, v in worst.items() if v is None]
-    if unknown:
-        return False, f"no foreign-CPU samples for {', '.join(unknown)} (no /proc, or an old --reuse side file)"
-    over = {n: v for n, v in worst.items() if v > FOREIGN_IDLE_CPUS}
-    if over:
-        return False, "other processes used " + ", ".join(f"{v:.2f} CPUs ({n})" for n, v in over.items()) + \
-            f" on average > {FOREIGN_IDLE_CPUS}"
-    return True, f"other processes used <= {max(worst.values()):.2f} CPUs on average (limit {FOREIGN_IDLE_CPUS})"
+    return _verdict(sides, "foreign_cpus_mean", FOREIGN_IDLE_CPUS, "foreign-CPU", ".2f",
+                    f"other processes used more than {FOREIGN_IDLE_CPUS} CPUs on average: {{}}",
+                    f"other processes used <= {{}} CPUs on average (limit {FOREIGN_IDLE_CPUS})")
 
 
 def readme_table(result: dict) -> str:

@@ -81,29 +81,50 @@ def test_foreign_verdict(tc):
     idle, why = tc.foreign_verdict({"eta0": {"foreign_cpus_mean": 0.05}, "eta1": {"foreign_cpus_mean": 0.2}})
     assert idle and "<= 0.20 CPUs" in why
     idle, why = tc.foreign_verdict({"eta0": {"foreign_cpus_mean": 0.05}, "eta1": {"foreign_cpus_mean": 0.9}})
-    assert not idle and "0.90 CPUs (eta1)" in why
-    assert tc.foreign_verdict({"eta0": {"loadavg_max": 1.0}})[0] is False  # an old side file
+    assert not idle and why == "other processes used more than 0.2 CPUs on average: 0.90 (eta1)"
+    assert tc.foreign_verdict({"eta0": {"loadavg_max": 1.0}}) == (False, "no foreign-CPU samples for eta0")
 
 
-def test_load_monitor_counts_a_foreign_busy_process_but_not_its_own_children(tc):
-    """A busy loop detached from this process tree (setsid + double fork: its parent becomes init)
-    is foreign CPU; the same loop as this process's own child is not."""
+def test_tree_cpu_counts_own_children_not_detached_processes(tc, tmp_path):
+    """`_tree_jiffies` holds a waited-for child's CPU time (0.5 s of it, whatever the machine's
+    load) and not that of a process detached from the tree (setsid + background: init adopts it)."""
     import os
     import subprocess
     import sys
     import time
 
-    busy = [sys.executable, "-c", "import time\nt=time.time()\nwhile time.time()-t<1.5: pass"]
     if not os.path.isdir("/proc"):
         pytest.skip("needs /proc")
-    with tc.LoadMonitor(period_s=0.25) as own:
-        subprocess.run(busy, check=True)
-    with tc.LoadMonitor(period_s=0.25) as foreign:
-        subprocess.run(["setsid", "sh", "-c", " ".join(f"'{a}'" for a in busy) + " &"], check=True)
-        time.sleep(1.6)
-    # the detached loop kept about one CPU busy outside the tree; the child's CPU was ours
-    assert foreign.foreign_mean > own.foreign_mean + 0.4
-    assert own.foreign_mean < 0.6
+    hz = os.sysconf("SC_CLK_TCK")
+    done = tmp_path / "done"
+    busy = f"import time\nwhile time.process_time() < 0.5: pass\nopen({str(done)!r}, 'w').close()"
+    before = tc._tree_jiffies(os.getpid())
+    subprocess.run([sys.executable, "-c", busy], check=True)
+    own = (tc._tree_jiffies(os.getpid()) - before) / hz
+    assert own >= 0.45
+    done.unlink()
+    before = tc._tree_jiffies(os.getpid())
+    subprocess.run(["setsid", "sh", "-c", f"'{sys.executable}' -c \"$0\" &", busy], check=True)
+    deadline = time.monotonic() + 120
+    while not done.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert done.exists()
+    assert (tc._tree_jiffies(os.getpid()) - before) / hz < 0.3  # the 0.5 s of the detached loop are not ours
+
+
+def test_load_monitor_foreign_is_machine_busy_minus_the_tree(tc, monkeypatch):
+    """foreign CPUs per interval = (busy ticks - tree ticks) / HZ / seconds, never negative."""
+    ticks = iter([(0, 0), (400, 100), (600, 400)])  # (machine busy, own tree) in ticks
+    clock = iter([0.0, 1.0, 2.0])
+    monkeypatch.setattr(tc.os, "sysconf", lambda name: 100)
+    monkeypatch.setattr(tc.time, "monotonic", lambda: next(clock))
+    pairs = []
+    monkeypatch.setattr(tc, "_busy_jiffies", lambda: pairs.append(next(ticks)) or pairs[-1][0])
+    monkeypatch.setattr(tc, "_tree_jiffies", lambda pid: pairs[-1][1])
+    mon = tc.LoadMonitor(period_s=3600)
+    mon._sample()
+    mon._sample()
+    assert mon.foreign == [3.0, 0.0] and mon.foreign_max == 3.0 and mon.foreign_mean == 1.5
 
 
 def test_readme_table(tc):
