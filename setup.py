@@ -12,9 +12,10 @@ setup(
     name="megatron-rl",
     version="0.1.0",
     description="RL post-training (GRPO, DAPO, DA3PO) on megatron-core with SGLang-API rollout servers",
-    packages=find_packages(include=["megatron_rl", "megatron_rl.*"]),
+    # eval/data holds no Python: listed so setuptools installs it as package data without a warning
+    packages=find_packages(include=["megatron_rl", "megatron_rl.*"]) + ["megatron_rl.eval.data"],
     # the benchmark files `megatron-rl eval --data NAME` reads (sources and licences: PROVENANCE.md)
-    package_data={"megatron_rl.eval": ["data/*.jsonl", "data/PROVENANCE.md"]},
+    package_data={"megatron_rl.eval.data": ["*.jsonl", "PROVENANCE.md"]},
     include_package_data=True,
     python_requires=">=3.12",  # megatron-core 0.19 requires Python >= 3.12
     install_requires=[

@@ -135,6 +135,7 @@ class WeightSyncSender:
         self.transport = transport
         self.load_format = load_format
         self.clients = list(clients)
+        self._flush_refusals_logged: set[str] = set()  # engines whose expected in-place flush refusal was logged
         self.master_address = master_address
         self.master_port = master_port
         self.backend = backend
@@ -446,7 +447,11 @@ class WeightSyncSender:
             except RolloutServerError as e:
                 if not (flush_refusal_ok and e.status_code == 400):
                     raise
-                logger.info("%s kept its cache (requests paused in place): %s", c.base_url, e)
+                level = logging.DEBUG if c.base_url in self._flush_refusals_logged else logging.INFO
+                self._flush_refusals_logged.add(c.base_url)
+                logger.log(level, "%s kept its prefix cache after the update: with rollout.pause_mode=in_place the "
+                           "requests paused in place are still running, so the engine refuses /flush_cache as "
+                           "expected (docs/ASYNC.md; logged once per engine): %s", c.base_url, str(e).strip())
 
         try:
             self._all(lambda c: c.end_weight_update(weight_version=weight_version, timeout_s=self.timeout_s))
