@@ -137,9 +137,12 @@ def eval_metric_row(res: dict, prefix: str = "eval") -> dict[str, float]:
     `{prefix}/level_{L}/{key}` for the same keys (`eval/level_3/avg@8`), with `L` the level as
     written in `extra_info.level`, a leading "level" dropped and characters other than letters,
     digits, `.`, `-` and `_` replaced by `_` ("Level 3" -> `level_3`). Counts (`num_problems`) and
-    other non-float values are left out, as for the overall keys.
+    other non-float values are left out, as for the overall keys, except the `weight_version` the
+    trainer adds (the published weights it ran on): `{prefix}/weight_version`, as a float.
     """
     row = {f"{prefix}/{k}": v for k, v in res.items() if isinstance(v, float)}
+    if isinstance(res.get("weight_version"), int):
+        row[f"{prefix}/weight_version"] = float(res["weight_version"])
     for level, rec in (res.get("by_level") or {}).items():
         name = re.sub(r"[^A-Za-z0-9._-]+", "_", re.sub(r"(?i)^\s*level[\s_]*", "", str(level)).strip()) or "none"
         row.update({f"{prefix}/level_{name}/{k}": v for k, v in rec.items() if isinstance(v, float)})

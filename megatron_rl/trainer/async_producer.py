@@ -28,16 +28,24 @@ resumed weights; nothing is lost or counted twice, the regenerated samples are f
 A weight publish from the producer's thread (an engine restarted mid-rollout must be re-synced
 before it serves) would race the trainer's collectives, so it is handed to the main thread: the
 producer blocks in `request_resync` until the main thread's next publish (a step's end, or
-`take` while the trainer waits) has re-synced every engine.
+`take` while the trainer waits) has re-synced every engine. Except while the main thread
+evaluates (`evaluating`): it then waits for requests of its own, in no collective, with the other
+ranks listening for the publisher's plans, so a re-sync asked for from any thread runs right
+there on that thread (`resync_from_thread`), and one already pending when the evaluation starts
+runs first on the main thread; otherwise an engine that died during an evaluation would never be
+re-synced (the main thread waits for the evaluation's requests, which wait for the re-sync).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
+
+from megatron_rl.errors import RolloutServerError
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +126,11 @@ class AsyncProducer:
         self._poll_s = poll_s
         self._q: queue.Queue = queue.Queue()
         self._resync_lock = threading.Lock()
+        self._resync_cv = threading.Condition(self._resync_lock)
         self._resync_pending: Optional[threading.Event] = None
+        self._evaluating = False  # the main thread is inside `evaluating`
+        self._direct_resyncs = 0  # re-syncs running on other threads meanwhile
+        self._direct_serial = threading.Lock()
         self._closed = False
         self.start_versions: dict[int, int] = {}
         """step -> the published version when its generation started."""
@@ -160,7 +172,53 @@ class AsyncProducer:
                 return False
         return True
 
+    def resync_from_thread(self, publish: Callable[[], None]) -> None:
+        """Any thread but the main one: re-sync every engine to the current weights. While the main
+        thread evaluates, `publish()` runs here at once (one at a time); otherwise the main thread
+        is asked (`request_resync`) and this waits for it.
+
+        Raises:
+            RolloutServerError: the producer closed before the main thread could re-sync (the
+                engine would otherwise serve weights the trainer does not hold).
+        """
+        with self._resync_cv:
+            direct = self._evaluating
+            if direct:
+                self._direct_resyncs += 1
+            elif self._resync_pending is None:
+                self._resync_pending = threading.Event()
+        if direct:
+            try:
+                with self._direct_serial:
+                    publish()
+            finally:
+                with self._resync_cv:
+                    self._direct_resyncs -= 1
+                    self._resync_cv.notify_all()
+            return
+        if not self.request_resync():
+            raise RolloutServerError("a restarted rollout server could not be re-synced: the rollout producer "
+                                     "closed before the trainer's main thread could publish the weights")
+
     # ---- main thread -----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def evaluating(self, resync: Callable[[], None]) -> Iterator[None]:
+        """Main thread, around an evaluation every rank takes part in: a re-sync already asked
+        for runs first (`resync()`, here); inside, re-syncs run on the thread that asks
+        (`resync_from_thread`); leaving waits for any still running."""
+        with self._resync_cv:
+            self._evaluating = True
+            pending = self._resync_pending is not None
+        try:
+            if pending:
+                resync()
+                self.resynced()
+            yield
+        finally:
+            with self._resync_cv:
+                self._resync_cv.wait_for(lambda: self._direct_resyncs == 0)
+                self._evaluating = False
 
     def resync_pending(self) -> bool:
         with self._resync_lock:

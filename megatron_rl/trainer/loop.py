@@ -232,11 +232,14 @@ def _record(run, step: int, produced, batch, times: dict, progress, ev: dict) ->
 def _resync(run) -> None:
     """A restarted engine while no other was up (`ServerFleet`): the other ranks are waiting for
     the step's batch or for the end of an evaluation; the publisher's plan reaches them instead and
-    they take part. Asynchronous mode, off the main thread: handed to the main thread (the trainer
-    may be inside a collective), which re-syncs at its next publish."""
+    they take part. Asynchronous mode, off the main thread: `AsyncProducer.resync_from_thread`
+    (handed to the main thread, or run on this one while the main thread evaluates)."""
     if run.ahead is not None and threading.current_thread() is not threading.main_thread():
-        run.ahead.request_resync()
-        return
+        return run.ahead.resync_from_thread(lambda: _publish_again(run))
+    _publish_again(run)
+
+
+def _publish_again(run) -> None:
     logger.warning("re-syncing the rollout servers to weight version %d", run.weight_version)
     m = run.publisher.publish(run.weight_version)
     logger.warning("re-sync to weight version %d done in %.2f s", run.weight_version, m.get("weight_sync/time_s", 0.0))
@@ -260,9 +263,10 @@ def _evaluate(run, tag: str) -> dict:
         if run.val_rows:
             logger.info("eval %s: %d problems x %d samples + greedy on weight version %d ...", tag,
                         len(run.val_rows), cfg.eval.n, run.weight_version)
-            res = evaluate(run.producer.manager, run.val_rows, n=cfg.eval.n, temperature=cfg.eval.temperature,
-                           top_p=cfg.eval.top_p, seed=cfg.eval.seed,
-                           max_new_tokens=cfg.eval.max_response_length or cfg.data.max_response_length, tag=tag)
+            with run.ahead.evaluating(lambda: _publish_again(run)) if run.ahead else contextlib.nullcontext():
+                res = evaluate(run.producer.manager, run.val_rows, n=cfg.eval.n, temperature=cfg.eval.temperature,
+                               top_p=cfg.eval.top_p, seed=cfg.eval.seed,
+                               max_new_tokens=cfg.eval.max_response_length or cfg.data.max_response_length, tag=tag)
             res["weight_version"] = run.weight_version  # the published weights it ran on (summary.json)
             logger.info("eval %s: %s", tag, {k: round(v, 4) for k, v in res.items() if isinstance(v, float)})
     except Exception as e:

@@ -48,6 +48,7 @@ def test_eta1_overlaps_generation_with_training_and_trains_every_prompt_once(tmp
             state = json.loads((run_dir / f"checkpoints/iter_{r['step']:07d}/run_state.json").read_text())
             assert state["data"]["position"] + state["data"]["epoch"] * state["data"]["num_rows"] == drawn, r["step"]
     assert "eval/avg@4" in steps[1]  # the periodic evaluation at step 2, while step 3 generates
+    assert steps[1]["eval/weight_version"] == 2.0  # on the weights published after step 2
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["eval_after"]["weight_version"] == 4
     assert "weight version 2" in (run_dir / "train.log").read_text()
@@ -76,3 +77,30 @@ def test_eta1_server_killed_mid_step_is_restarted_and_resynced_by_the_main_threa
     assert [r["step"] for r in steps] == [1, 2, 3, 4]
     assert all(r["train/staleness_max"] <= 1 for r in steps)
     assert steps[-1]["rollout/server_restarts"] == 1
+
+
+@pytest.mark.parametrize("tag, steps, version", [("eval_step1", 3, 1), ("eval_after", 2, 2)],
+                         ids=["periodic_eval", "final_eval"])
+def test_eta1_server_killed_during_an_evaluation_is_resynced(tmp_path, tag, steps, version):
+    """The only server is SIGKILLed as an evaluation starts (a periodic one, while the producer generates
+    ahead; the final one, after the producer closed). The evaluation's own requests find it dead, so the
+    main thread, which waits for them, cannot take the re-sync: it runs on the requesting thread while
+    the main thread evaluates (`AsyncProducer.evaluating`). Once, the periodic case hung for good (the
+    re-sync waited for the main thread) and the final one evaluated the restarted server's base weights
+    under the trained version's label (the closed producer refused the re-sync and nobody noticed)."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "megatron_rl.cli", "train", "--config", str(ROOT / "examples/tiny/ci.yaml"),
+         f"run_dir={run_dir}", "trainer.progress_bar=false", "trainer.max_staleness=1",
+         f"trainer.total_training_steps={steps}", "trainer.save_interval=0", "eval.before_train=false",
+         "eval.after_train=true", f"eval.interval={1 if tag == 'eval_step1' else 0}", "eval.max_problems=16",
+         "rollout.max_server_restarts=1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    err = kill_server_when(proc, run_dir, f"eval {tag}: ", timeout_s=600)
+    assert proc.returncode == 0, err[-4000:]
+    text = (run_dir / "train.log").read_text()
+    after_kill = text[text.index(f"eval {tag}: "):]
+    assert "restarting rollout server 0" in after_kill, text[-3000:]
+    assert f"re-sync to weight version {version} done" in after_kill, text[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == steps and summary["eval_after"]["weight_version"] == steps

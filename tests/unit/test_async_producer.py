@@ -163,3 +163,72 @@ def test_close_releases_a_producer_waiting_at_the_gate():
 def test_gate_rejects_negative_eta():
     with pytest.raises(ValueError, match="max_staleness"):
         StalenessGate(-1, version=0)
+
+
+def _idle_producer():
+    return AsyncProducer(lambda s: SimpleNamespace(), dict, StalenessGate(1, 0), first=1, last=1)
+
+
+def test_while_the_main_thread_evaluates_a_resync_runs_on_the_asking_thread():
+    """The evaluation's own requests find the engine dead: the main thread waits for them and cannot
+    publish, so the re-sync runs on the rollout thread that asks, at once."""
+    ahead = _idle_producer()
+    ran, release = [], threading.Event()
+
+    def publish():
+        ran.append(threading.current_thread().name)
+        release.wait(5)
+
+    with ahead.evaluating(lambda: pytest.fail("nothing was pending")):
+        t = threading.Thread(target=ahead.resync_from_thread, args=(publish,), name="eval-request")
+        t.start()
+        time.sleep(0.1)
+        assert ran == ["eval-request"] and not ahead.resync_pending()
+        release.set()
+        t.join(5)
+    assert not t.is_alive()
+
+
+def test_leaving_the_evaluation_waits_for_a_resync_in_progress():
+    ahead = _idle_producer()
+    release, order = threading.Event(), []
+
+    def publish():
+        release.wait(5)
+        order.append("published")
+
+    def evaluation():
+        with ahead.evaluating(lambda: None):
+            threading.Thread(target=ahead.resync_from_thread, args=(publish,)).start()
+            time.sleep(0.1)
+        order.append("left")
+
+    ev = threading.Thread(target=evaluation)
+    ev.start()
+    time.sleep(0.3)
+    assert order == [] and ev.is_alive()  # still inside: the re-sync holds it
+    release.set()
+    ev.join(5)
+    assert order == ["published", "left"]
+
+
+def test_a_resync_pending_when_the_evaluation_starts_runs_first_on_the_main_thread():
+    ahead = _idle_producer()
+    waiter = threading.Thread(target=ahead.resync_from_thread, args=(lambda: pytest.fail("not here"),))
+    waiter.start()
+    deadline = time.monotonic() + 5
+    while not ahead.resync_pending() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    ran = []
+    with ahead.evaluating(lambda: ran.append(threading.current_thread() is threading.main_thread())):
+        waiter.join(5)
+    assert ran == [True] and not waiter.is_alive() and not ahead.resync_pending()
+
+
+def test_a_resync_after_close_outside_an_evaluation_is_an_error():
+    from megatron_rl.errors import RolloutServerError
+
+    ahead = _idle_producer()
+    ahead.close()
+    with pytest.raises(RolloutServerError, match="could not be re-synced"):
+        ahead.resync_from_thread(lambda: pytest.fail("the main thread publishes, not this one"))

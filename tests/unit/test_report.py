@@ -96,6 +96,8 @@ def test_eval_metric_row_flattens_levels_like_summary():
     # the overall avg@k is the problem-weighted mean of the levels' (2 * 0.75 + 1 * 0.25) / 3
     assert row["eval/avg@4"] == pytest.approx((2 * 0.75 + 0.25) / 3)
     assert eval_metric_row({"avg@4": 0.5}) == {"eval/avg@4": 0.5}  # rows without levels: no level keys
+    # the trainer's weight_version (an int in summary.json) is kept as a float metric
+    assert eval_metric_row({"avg@4": 0.5, "weight_version": 7}) == {"eval/avg@4": 0.5, "eval/weight_version": 7.0}
 
 
 def test_report_level_panel_reads_level_keys(tmp_path):
