@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import study  # noqa: E402
 
-pytestmark = pytest.mark.timeout(2400)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]  # superseded by study v2; the slow tier
 
 
 def _rows(run_dir: Path) -> list[dict]:
