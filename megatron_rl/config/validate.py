@@ -56,6 +56,15 @@ def _check_vllm(cfg: Config) -> None:
     if r.admin_api_key:
         problems.append(f"rollout.admin_api_key: vLLM has no admin key (its --api-key guards /v1 only); "
                         f"unset it with rollout.backend={r.backend}")
+    if r.colocate:
+        problems.append(f"rollout.colocate: true with rollout.backend={r.backend}: colocated mode needs SGLang's "
+                        "release / resume / update_weights_from_tensor endpoints (backend embedded or sglang)")
+    if r.backend == "vllm" and r.enable_deterministic_inference:
+        problems.append("rollout.enable_deterministic_inference: SGLang's flag; `vllm serve` 0.33 is started without "
+                        "an equivalent, so runs would not repeat bit for bit; unset it with rollout.backend=vllm")
+    if ws.check_checksums:
+        logger.warning("weight_sync.check_checksums with rollout.backend=%s checks nothing: vLLM has no "
+                       "/get_weights_by_name, so every tensor is counted in weight_sync/unverifiable_tensors", r.backend)
     if len(problems) == 1:
         raise ConfigError(problems[0])
     if problems:

@@ -252,7 +252,18 @@ class VLLMClient(HTTPEngineClient):
 
     def _json(self, method: str, path: str, *, json: Any = None, params: dict | None = None,
               timeout_s: float | None = None) -> Any:
-        return self._check(self._request(method, path, json=json, params=params, timeout_s=timeout_s), path)
+        try:
+            return self._check(self._request(method, path, json=json, params=params, timeout_s=timeout_s), path)
+        except RolloutServerError as e:
+            if e.status_code != 404 or path.startswith("/v1/") or path in ("/health", "/sleep", "/wake_up",
+                                                                            "/is_sleeping"):
+                raise  # the sleep routes' 404 means no --enable-sleep-mode (documented at `sleep`)
+            raise RolloutServerError(
+                f"{method} {path} at {self.base_url}: HTTP 404 - the server has no such route. megatron-rl speaks "
+                f"vLLM {VLLM_VERSION}'s RL API, which `vllm serve` exposes only with VLLM_SERVER_DEV_MODE=1 and "
+                "--weight-transfer-config '{\"backend\": \"nccl\"}' (what `megatron-rl train` starts it with); is "
+                "this server another vLLM version, started without them, or not vLLM at all? (docs/VLLM_API.md): "
+                f"{e}", url=e.url, status_code=404, body=e.body) from e
 
     def _dict(self, method: str, path: str, keys: tuple[str, ...] = (), **kw) -> dict:
         data = self._json(method, path, **kw)

@@ -295,13 +295,28 @@ def test_vllm_config_problems_are_reported_all_at_once():
     cfg.rollout.backend = "vllm"
     cfg.weight_sync.load_format = "flattened_bucket"
     cfg.rollout.admin_api_key = "adm"
+    cfg.rollout.colocate = True
+    cfg.rollout.enable_deterministic_inference = True
     with pytest.raises(ConfigError) as e:
         _check_vllm(cfg)
     msg = str(e.value)
-    assert msg.startswith("rollout.backend=vllm: 3 problems:")
-    for key in ("weight_sync.load_format", "weight_sync.backend", "rollout.admin_api_key"):
+    assert msg.startswith("rollout.backend=vllm: 5 problems:")
+    for key in ("weight_sync.load_format", "weight_sync.backend", "rollout.admin_api_key", "rollout.colocate",
+                "rollout.enable_deterministic_inference"):
         assert f"\n  - {key}:" in msg
     assert "vllm-embedded" in msg
+
+
+def test_checksums_with_vllm_warn_that_nothing_is_checked(caplog):
+    from megatron_rl.config.schema import Config
+    from megatron_rl.config.validate import _check_vllm
+
+    cfg = Config()
+    cfg.rollout.backend = "vllm-embedded"
+    cfg.weight_sync.check_checksums = True
+    with caplog.at_level("WARNING", logger="megatron_rl.config.validate"):
+        _check_vllm(cfg)
+    assert "checks nothing" in caplog.text and "unverifiable_tensors" in caplog.text
 
 
 def test_flush_cache_reports_vllms_refusal():
@@ -382,3 +397,19 @@ def test_wake_up_query_repeats_tags():
     with pytest.raises(RolloutServerError, match="0.33"):
         VLLMClient("http://vllm-sleep-e:8000", max_retries=0, transport=httpx.MockTransport(
             lambda r: httpx.Response(200, json={"is_sleeping": "yes"}))).is_sleeping()
+
+
+def test_a_server_without_vllms_rl_routes_is_named_as_such():
+    """An OpenAI-only server (another vLLM, no VLLM_SERVER_DEV_MODE, or not vLLM) answers the RL
+    routes with 404: the error names vLLM's version and the dev-mode flags, not a bare 404."""
+    def openai_only(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+    c = VLLMClient("http://openai-only:8000", transport=httpx.MockTransport(openai_only), max_retries=0)
+    with pytest.raises(RolloutServerError, match=r"GET /get_world_size .*HTTP 404.*vLLM 0\.33\.x.*"
+                                                 r"VLLM_SERVER_DEV_MODE=1") as e:
+        c.tp_size()
+    assert e.value.status_code == 404
+    with pytest.raises(RolloutServerError) as e:  # a sleep route's 404 keeps its own meaning
+        c.is_sleeping()
+    assert "VLLM_SERVER_DEV_MODE" not in str(e.value)
