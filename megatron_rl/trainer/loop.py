@@ -230,10 +230,9 @@ def _record(run, step: int, produced, batch, times: dict, progress, ev: dict) ->
 
 
 def _resync(run) -> None:
-    """A restarted engine while no other was up (`ServerFleet`): the other ranks are waiting for
-    the step's batch or for the end of an evaluation; the publisher's plan reaches them instead and
-    they take part. Asynchronous mode, off the main thread: `AsyncProducer.resync_from_thread`
-    (handed to the main thread, or run on this one while the main thread evaluates)."""
+    """A restarted engine while no other was up (`ServerFleet`): the other ranks, waiting for the step's
+    batch or an evaluation's end, get the publisher's plan instead and take part. Asynchronous mode, off
+    the main thread: `AsyncProducer.resync_from_thread` (to the main thread, or here while it evaluates)."""
     if run.ahead is not None and threading.current_thread() is not threading.main_thread():
         return run.ahead.resync_from_thread(lambda: _publish_again(run))
     _publish_again(run)

@@ -54,7 +54,7 @@ def test_benchmarks_ship_in_the_package_with_provenance(monkeypatch):
         assert load_benchmark(name)[1], name  # default data dir: the package
     assert total < 2 * 1024**2  # keep the package small (1.34 MiB today)
     setup_py = (Path(__file__).resolve().parents[2] / "setup.py").read_text()
-    assert '"megatron_rl.eval": ["data/*.jsonl", "data/PROVENANCE.md"]' in setup_py
+    assert '"megatron_rl.eval.data": ["*.jsonl", "PROVENANCE.md"]' in setup_py and '"megatron_rl.eval.data"]' in setup_py
     if (SHARED_DATA / "aime24.jsonl").is_file():  # the copies are byte-identical to the shared folder
         for fname, _ in BENCHMARKS.values():
             assert (PACKAGE_DATA_DIR / fname).read_bytes() == (SHARED_DATA / fname).read_bytes(), fname
