@@ -147,26 +147,18 @@ def _busy_jiffies() -> Optional[int]:
 
 
 def _tree_jiffies(root: int) -> int:
-    """CPU time (utime + stime + cutime + cstime, clock ticks) of `root` and its live descendants:
-    the children that exited and were waited for are in their parent's cutime/cstime."""
-    children: dict[int, list[int]] = {}
-    times: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+    """CPU time (utime + stime + cutime + cstime, clock ticks) of `root` and its live descendants
+    (`megatron_rl.weight_sync.ipc.process_tree`): the children that exited and were waited for are in
+    their parent's cutime/cstime."""
+    from megatron_rl.weight_sync.ipc import process_tree
+
+    total = 0
+    for pid in process_tree(root):
         try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
+            stat = Path(f"/proc/{pid}/stat").read_text()
         except OSError:
             continue
-        rest = stat[stat.rindex(")") + 2:].split()  # fields from 3 (state) on
-        pid = int(entry)
-        children.setdefault(int(rest[1]), []).append(pid)
-        times[pid] = sum(int(x) for x in rest[11:15])  # fields 14-17
-    total, todo = 0, [root]
-    while todo:
-        pid = todo.pop()
-        total += times.get(pid, 0)
-        todo.extend(children.get(pid, ()))
+        total += sum(int(x) for x in stat[stat.rindex(")") + 2:].split()[11:15])  # fields 14-17
     return total
 
 

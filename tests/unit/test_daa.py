@@ -132,7 +132,7 @@ def test_posterior_and_history_numbers_of_the_spec():
     # G = 16, k = 1 after m earlier all-wrong groups: Beta(0.5 + 1, 0.5 + 15 + 16 m), mean
     # 1.5 / (17 + 16 m) = 1.5/17, 1.5/33, 1.5/65, 1.5/113 = 0.08824, 0.04545, 0.02308, 0.01327;
     # beta(q) = 1 / (1 - (1-q)^15) (q^15 < 1e-15): (1-q)^15 = 0.25017, 0.49768, 0.70454, 0.81836
-    # -> 1.3336, 1.9908, 3.3846, 5.5055 (ALGORITHMS.md 4.3 rounds them to 1.33, 1.99, 3.38, 5.51)
+    # -> 1.3336, 1.9908, 3.3846, 5.5055 (ALGORITHMS.md 4.3 prints 1.33, 1.99, 3.39, 5.51: its 3.39 is 3.3846)
     spec = {0: (0.0882, 1.33), 1: (0.0455, 1.99), 3: (0.0231, 3.38), 6: (0.0133, 5.51)}
     for m, (q_spec, beta_spec) in spec.items():
         tr = DifficultyTracker()
