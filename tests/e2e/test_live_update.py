@@ -310,10 +310,22 @@ class LayerPublisher(WeightPublisher):
         yield from self.weights.layer(0, self.publishing) + self.weights.layer(1, self.publishing)
 
 
-def test_d_stale_requests_are_aborted_before_the_pause_and_resubmitted(rig):
+def test_d_stale_requests_are_aborted_before_the_pause_and_resubmitted(rig, caplog):
     """eta = 1, an update to v+2 pending: r_a started at v (its age at v+2 would be 2) is aborted,
     its abort answered before the pause is sent, and resubmitted from scratch after the continue;
-    r_b, started at v+1, continues in place with spans v+1 then v+2."""
+    r_b, started at v+1, continues in place with spans v+1 then v+2.
+
+    The scenario needs r_b still decoding when the publisher pauses (>= 4 s of decode left when it
+    starts); a machine that stalls the test process longer than that lets r_b finish at v+1 (seen
+    once in CI), which is not what is tested: the scenario then runs once more, and a second miss fails."""
+    caplog.set_level("INFO", logger="megatron_rl")  # a retried request (a lost answer) shows in a failure
+    for attempt in range(2):
+        if _scenario_d(rig, caplog, last=attempt == 1):
+            return
+
+
+def _scenario_d(rig, caplog, last: bool) -> bool:
+    """One run of timeline D; False when r_b ended before the pause (the premise missed, see above)."""
     old = int(rig.client.weight_version())
     calls: list = []  # the manager's client (stale aborts) and the publisher's (pause, update, continue)
     manager = RolloutManager([RecordingClient(rig.server.base_url, calls)], None, None, reward_fn="dapo_math",
@@ -327,7 +339,9 @@ def test_d_stale_requests_are_aborted_before_the_pause_and_resubmitted(rig):
         tb, box_b = _start(manager.generate_ids, PROMPT, _params(12), "r_b")  # long: still running at v+2
         _wait_running(rig, count=2)
         calls.clear()
+        t0 = time.monotonic()
         metrics = publisher.publish(old + 2, live=True, stale_below=old + 1)
+        publish_s = time.monotonic() - t0
         assert metrics["weight_sync/stale_aborted"] == 1
         order = [(name, when) for name, when, _ in calls]
         assert calls[0] == ("abort_request", "start", "r_a") and calls[1] == ("abort_request", "end", "r_a")
@@ -338,11 +352,17 @@ def test_d_stale_requests_are_aborted_before_the_pause_and_resubmitted(rig):
         assert res_a.finish_type == "length" and len(res_a.output_ids) == D_TOKENS
         assert res_a.version_spans == ((old + 2, 0),) and res_a.resubmissions == 1
         assert res_b.resubmissions == 0 and len(res_b.output_ids) == TOKENS
+        diagnosis = (old, res_b.version_spans, res_b.weight_versions, f"publish took {publish_s:.2f} s", calls,
+                     caplog.text)
+        if res_b.version_spans == ((old + 1, 0),) and not last:
+            return False
+        assert len(res_b.version_spans) == 2, diagnosis
         (v1, s1), (v2, k) = res_b.version_spans
-        assert (v1, s1, v2) == (old + 1, 0, old + 2) and 0 < k < TOKENS
+        assert (v1, s1, v2) == (old + 1, 0, old + 2) and 0 < k < TOKENS, diagnosis
         assert all(math.isfinite(lp) for r in (res_a, res_b) for lp in r.output_logprobs)
         assert rig.client.server_info()["num_running_reqs"] == 0
         _check_no_mixed_forward(rig)
+        return True
     finally:
         publisher.close()
         manager.close()
