@@ -10,6 +10,10 @@ timed against a plain forward/backward + optimizer step:
 - Plain: per mini-batch, megatron-core's schedule over the same micro-batches with GPTModel's
   own per-token cross-entropy (`labels=`, masked sum / token count), then the optimizer step.
 
+- RL with `actor.old_logprob_source: rollout` (ALGORITHMS.md 8): `PolicyTrainer.update` alone, the
+  old log-probs taken from the engine instead of recomputed (here the trainer's own numbers, as an
+  engine with matching numerics would send them).
+
 The ratio RL / plain is the price of the RL layer; a bare lower bound is ~1.33 (one extra
 forward pass for the recompute on top of a forward + backward). `update / plain` isolates the
 loss layer (no recompute). TP=2 runs as two gloo processes (one thread each, like TP=1's one
@@ -153,15 +157,30 @@ def worker() -> None:
                 tm.scheduler.step(increment=1)
         return time.perf_counter() - t0, time.process_time() - c0
 
+    engine_logprobs = trainer.compute_logprobs(batch, mini_batch_sequences=mini)
+
+    def rollout_update() -> tuple[float, float]:
+        """`actor.old_logprob_source: rollout`: no recompute, the old log-probs are the engine's (here
+        the trainer's own numbers, as an engine whose numerics match would send). (wall s, CPU s)."""
+        dist.barrier()
+        batch.old_logprobs = engine_logprobs
+        t0, c0 = time.perf_counter(), time.process_time()
+        trainer.update(batch, mini_batch_sequences=mini)
+        return time.perf_counter() - t0, time.process_time() - c0
+
     for _ in range(args["warmup"]):
         rl_update()
+        rollout_update()
         plain_update()
-    rec, upd, plain, rl_cpu, plain_cpu = [], [], [], [], []
+    rec, upd, plain, rl_cpu, plain_cpu, ro, ro_cpu = [], [], [], [], [], [], []
     for _ in range(args["repeats"]):
         a, b, c = rl_update()
         rec.append(a)
         upd.append(b)
         rl_cpu.append(c)
+        w, c = rollout_update()
+        ro.append(w)
+        ro_cpu.append(c)
         w, c = plain_update()
         plain.append(w)
         plain_cpu.append(c)
@@ -177,7 +196,10 @@ def worker() -> None:
             "ratio": rl[best] / min(plain), "update_over_plain": upd[best] / min(plain),
             "median_rl_update_s": med(rl), "median_plain_s": med(plain), "median_ratio": med(rl) / med(plain),
             "rl_cpu_s": med(rl_cpu), "plain_cpu_s": med(plain_cpu), "cpu_ratio": med(rl_cpu) / med(plain_cpu),
-            "rl_cpu_all_s": rl_cpu, "plain_cpu_all_s": plain_cpu,
+            "rollout_source_s": min(ro), "rollout_source_ratio": min(ro) / min(plain),
+            "rollout_source_cpu_s": med(ro_cpu), "rollout_source_cpu_ratio": med(ro_cpu) / med(plain_cpu),
+            "rl_cpu_all_s": rl_cpu, "plain_cpu_all_s": plain_cpu, "rollout_source_all_s": ro,
+            "rollout_source_cpu_all_s": ro_cpu,
             "recompute_all_s": rec, "update_all_s": upd, "rl_update_all_s": rl, "plain_all_s": plain,
         }), flush=True)
     destroy_parallel()
@@ -228,14 +250,17 @@ def main() -> None:
             r = rows[-1]
             print(f"  done {model} TP={tp}: RL {r['rl_update_s']:.3f} s, plain {r['plain_s']:.3f} s", flush=True)
     header = ("model", "TP", "params", "seqs x S", "recompute s", "update s", "RL update s", "plain fwd/bwd+opt s",
-              "RL / plain", "update / plain", "RL / plain (medians)", "RL / plain (CPU s, rank 0)")
+              "RL / plain", "update / plain", "RL / plain (medians)", "RL / plain (CPU s, rank 0)",
+              "rollout log-probs / plain", "rollout log-probs / plain (CPU s)")
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for r in rows:
         print(f"| {r['model']} | {r['tp']} | {r['parameters'] / 1e6:.2f}M | {r['sequences']} x {r['padded_width']} | "
               f"{r['recompute_s']:.3f} | {r['update_s']:.3f} | {r['rl_update_s']:.3f} | {r['plain_s']:.3f} | "
               f"{r['ratio']:.2f} | {r['update_over_plain']:.2f} | {r['median_ratio']:.2f} | "
-              f"{r['rl_cpu_s']:.2f} / {r['plain_cpu_s']:.2f} = {r['cpu_ratio']:.2f} |")
+              f"{r['rl_cpu_s']:.2f} / {r['plain_cpu_s']:.2f} = {r['cpu_ratio']:.2f} | "
+              f"{r['rollout_source_ratio']:.2f} | "
+              f"{r['rollout_source_cpu_s']:.2f} / {r['plain_cpu_s']:.2f} = {r['rollout_source_cpu_ratio']:.2f} |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
