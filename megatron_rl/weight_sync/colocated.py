@@ -167,16 +167,23 @@ class ColocatedWeightSender:
         bucket_size_mib: bytes per bucket (one reusable buffer of this size).
         timeout_s: timeout of each HTTP call, seconds.
         dtype: the engines' weight dtype; None reads `/model_info`.
-        keep_buffer: keep the bucket buffer between updates (freed at `close`): no fresh pages to
-            fault in per update, but a bucket-sized segment stays alive between updates. Default
+        keep_buffer: keep the bucket buffers between updates (freed at `close`): no fresh pages to
+            fault in per update, but the bucket-sized segments stay alive between updates. Default
             False: nothing the trainer created outlives an update (CASES.md N12).
+        buffers: bucket buffers used in turn (2: double buffering; 1: one buffer, no overlap).
+            With 2, bucket k+1 is packed while the engines copy bucket k out of the other buffer
+            (the calls go out in order from one helper thread), so the hand-over approaches one
+            copy's time instead of two; the staging memory is `buffers` x `bucket_size_mib`.
     """
 
     def __init__(self, clients: list["RolloutClient"], *, memory: Optional[EngineMemory] = None,
                  bucket_size_mib: float = 512.0, timeout_s: float = 600.0, dtype: torch.dtype | None = None,
-                 keep_buffer: bool = False) -> None:
+                 keep_buffer: bool = False, buffers: int = 2) -> None:
         if not clients:
             raise ValueError("ColocatedWeightSender needs at least one rollout client")
+        if buffers not in (1, 2):
+            raise ValueError(f"ColocatedWeightSender: buffers must be 1 or 2, got {buffers}")
+        self.buffers = buffers
         self.clients = list(clients)
         self.memory = memory
         self.bucket_size_mib = bucket_size_mib
@@ -185,7 +192,7 @@ class ColocatedWeightSender:
         self._ready = False
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.keep_buffer = keep_buffer
-        self._kept: Optional[ColocatedSender] = None
+        self._kept: Optional[list[ColocatedSender]] = None
 
     @property
     def initialized(self) -> bool:
@@ -215,49 +222,87 @@ class ColocatedWeightSender:
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
              weight_version: str | None = None) -> dict[str, float]:
-        """Hand `named_tensors` over bucket by bucket (one reused buffer; the handles are collected
-        after each bucket and the buffer freed at the end). Returns the stats of
-        `WeightSyncSender.send` (`broadcast_time_s` = the hand-over calls).
+        """Hand `named_tensors` over bucket by bucket through `buffers` reused buffers (the calls of
+        one bucket go to every engine in turn, buckets in order, from one helper thread while the
+        next bucket is packed; a buffer is packed again only once every engine has answered for it
+        and its handles are collected; the buffers are freed at the end unless `keep_buffer`).
+        Returns the stats of `WeightSyncSender.send` (`broadcast_time_s` = the hand-over calls,
+        `prepare_time_s` = packing; with 2 buffers they overlap).
 
         Raises:
-            WeightSyncError: no tensors, or an engine refused a bucket.
+            WeightSyncError: no tensors, or an engine refused a bucket (the buckets in flight are
+                waited for first).
         """
+        from concurrent.futures import Future, ThreadPoolExecutor
+
         t_all = time.perf_counter()
-        sender = self._kept or ColocatedSender(int(self.bucket_size_mib * 2**20), self.device)
+        senders = self._kept or [ColocatedSender(int(self.bucket_size_mib * 2**20), self.device)
+                                 for _ in range(self.buffers)]
         if self.keep_buffer:
-            self._kept = sender
+            self._kept = senders
         stats = dict.fromkeys(("bytes", "num_buckets", "num_tensors", "broadcast_time_s", "prepare_time_s",
                                "load_time_s"), 0.0)
+        inflight: list[Optional[Future]] = [None] * len(senders)
+
+        def post(payload: str, version: str | None) -> float:
+            t0 = time.perf_counter()
+            for c in self.clients:
+                c.update_weights_from_tensor([payload], load_format="flattened_bucket", flush_cache=False,
+                                             weight_version=version, timeout_s=self.timeout_s)
+            return time.perf_counter() - t0
+
+        def settle(slot: int) -> None:
+            """Wait for the bucket in `slot` (raises its error) and collect its handles."""
+            fut, inflight[slot] = inflight[slot], None
+            if fut is not None:
+                try:
+                    stats["broadcast_time_s"] += fut.result()
+                finally:
+                    senders[slot].after_bucket()  # ipc_collect (CUDA) once every engine has answered
+
+        pool = ThreadPoolExecutor(1, thread_name_prefix="colocated-handover") if len(senders) > 1 else None
         try:
             buckets = bucket_named_tensors(cast_named_tensors(named_tensors, self.dtype), self.bucket_size_mib)
             current = next(buckets, None)
             if current is None:
                 raise WeightSyncError("no tensors to send")
+            index = 0
             while current is not None:
                 following = next(buckets, None)
+                slot = index % len(senders)
+                settle(slot)
                 tp = time.perf_counter()
-                payload = sender.payload(current)
-                tb = time.perf_counter()
-                stats["prepare_time_s"] += tb - tp
-                for c in self.clients:
-                    c.update_weights_from_tensor([payload], load_format="flattened_bucket", flush_cache=False,
-                                                 weight_version=weight_version if following is None else None,
-                                                 timeout_s=self.timeout_s)
-                sender.after_bucket()  # ipc_collect (CUDA) once every engine has answered
-                stats["broadcast_time_s"] += time.perf_counter() - tb
+                payload = senders[slot].payload(current)
+                stats["prepare_time_s"] += time.perf_counter() - tp
+                version = weight_version if following is None else None
+                if pool is None:
+                    inflight[slot] = done = Future()
+                    done.set_result(post(payload, version))
+                else:
+                    inflight[slot] = pool.submit(post, payload, version)
                 stats["bytes"] += sum(t.numel() * t.element_size() for _, t in current)
                 stats["num_buckets"] += 1
                 stats["num_tensors"] += len(current)
-                current = following
+                current, index = following, index + 1
+            for slot in range(len(senders)):
+                settle(slot)
         except RolloutServerError as e:
             raise WeightSyncError(f"colocated weight hand-over failed: {e}") from e
         except (ValueError, TypeError) as e:  # bad input from the tensor iterable
             raise WeightSyncError(f"cannot hand the weights over: {type(e).__name__}: {e}") from e
         finally:
-            if self.keep_buffer:
-                sender.after_bucket()
-            else:
-                sender.close()
+            for slot, fut in enumerate(inflight):  # after an error: nothing may still read a buffer we free
+                if fut is not None:
+                    try:
+                        fut.result()
+                    except Exception:  # noqa: BLE001 - the first error is the one raised
+                        pass
+                    senders[slot].after_bucket()
+            if pool is not None:
+                pool.shutdown(wait=True)
+            if not self.keep_buffer:
+                for sender in senders:
+                    sender.close()
         logger.info("colocated hand-over: %d tensors, %.1f MiB in %.3f s", stats["num_tensors"],
                     stats["bytes"] / 2**20, time.perf_counter() - t_all)
         return stats
@@ -311,9 +356,9 @@ class ColocatedWeightSender:
     def destroy(self) -> None:
         """No process group to tear down; frees a kept buffer."""
         self._ready = False
-        if self._kept is not None:
-            self._kept.close()
-            self._kept = None
+        for sender in self._kept or []:
+            sender.close()
+        self._kept = None
 
     def close(self) -> None:
         """As `destroy`."""

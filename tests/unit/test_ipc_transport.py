@@ -117,3 +117,78 @@ def test_peer_pid_and_process_tree():
         child.kill()
         sibling.kill()
         srv.close()
+
+
+class _SlowReceiver:
+    """An engine stand-in that decodes each bucket like the embedded server (same process: trusted),
+    sleeps while "copying" (so packing the next bucket overlaps it), then checks the bytes it read
+    before and after the sleep are the same (no buffer repacked under it) and keeps copies."""
+
+    base_url = "http://receiver:1"
+
+    def __init__(self, delay_s: float) -> None:
+        import os as _os
+
+        self.delay_s, self.me = delay_s, frozenset({_os.getpid()})
+        self.received: list[tuple[str, torch.Tensor]] = []
+        self.versions: list = []
+        self.calls, self.busy, self.overlapped = 0, False, False
+
+    def update_weights_from_tensor(self, payloads, *, load_format, flush_cache, weight_version, timeout_s):
+        import time as _time
+
+        self.calls += 1
+        self.busy = True
+        views = deserialize_named_tensors(payloads[0], trusted_pids=self.me, load_format=load_format)
+        first = [v.clone() for _, v in views]
+        _time.sleep(self.delay_s)
+        assert all(torch.equal(a, v) for a, (_, v) in zip(first, views)), "a buffer was repacked while read"
+        self.received += [(n, v.clone()) for n, v in views]
+        self.versions.append(weight_version)
+        self.busy = False
+        return {"success": True}
+
+
+def test_double_buffered_hand_over_overlaps_packing_and_keeps_order(monkeypatch):
+    """5 buckets of one tensor each through 2 buffers: the engine gets every tensor in order with its
+    values, the version only on the last bucket; packing ran while the engine was busy with the
+    previous bucket (the overlap), and no buffer was repacked while the engine read it."""
+    from megatron_rl.weight_sync import colocated as col
+
+    engine = _SlowReceiver(delay_s=0.05)
+    packed_while_busy = []
+    real_payload = ColocatedSender.payload
+
+    def payload(self, named):
+        packed_while_busy.append(engine.busy)
+        return real_payload(self, named)
+
+    monkeypatch.setattr(ColocatedSender, "payload", payload)
+    named = [(f"w{i}", torch.full((64,), float(i))) for i in range(5)]
+    sender = col.ColocatedWeightSender([engine], bucket_size_mib=64 * 4 / 2**20, dtype=torch.float32)
+    stats = sender.send(iter(named), weight_version="7")
+    assert [n for n, _ in engine.received] == [n for n, _ in named]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(engine.received, named))
+    assert engine.versions == [None, None, None, None, "7"] and stats["num_buckets"] == 5
+    assert any(packed_while_busy[1:]), "no bucket was packed while the engine copied the previous one"
+    one = col.ColocatedWeightSender([_SlowReceiver(0.0)], bucket_size_mib=64 * 4 / 2**20, dtype=torch.float32,
+                                    buffers=1)
+    assert one.send(iter(named), weight_version="7")["num_buckets"] == 5
+
+
+def test_a_refused_bucket_waits_for_the_one_in_flight_and_raises():
+    from megatron_rl.errors import RolloutServerError, WeightSyncError
+    from megatron_rl.weight_sync import colocated as col
+
+    class Refuses(_SlowReceiver):
+        def update_weights_from_tensor(self, payloads, **kw):
+            if self.calls == 2:
+                self.calls += 1
+                raise RolloutServerError("bucket refused", status_code=400)
+            return super().update_weights_from_tensor(payloads, **kw)
+
+    engine = Refuses(delay_s=0.02)
+    sender = col.ColocatedWeightSender([engine], bucket_size_mib=64 * 4 / 2**20, dtype=torch.float32)
+    with pytest.raises(WeightSyncError, match="bucket refused"):
+        sender.send(iter([(f"w{i}", torch.ones(64)) for i in range(5)]), weight_version="1")
+    assert not engine.busy  # nothing was left reading a freed buffer
