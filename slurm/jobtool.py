@@ -291,10 +291,11 @@ def check_job(
 
     Returns:
         ``{"trainer_world", "dp", "engines", "engines_per_node", "model_path", "run_dir",
-        "rollout_backend", "trainer_backend", "vllm_python", "vllm_extra_args"}`` (model_path and
+        "rollout_backend", "trainer_backend", "vllm_python", "vllm_extra_args", "colocate"}`` (model_path and
         run_dir resolved against the recipe's folder / the working directory; the last two are the
         recipe's ``rollout.vllm_python`` and ``rollout.vllm_extra_args``, the latter as one
-        shell-quoted string).
+        shell-quoted string; ``colocate`` 1 with ``rollout.colocate``: the trainer starts its
+        ``rollout.num_servers`` engines itself and the job has no rollout step).
 
     Raises:
         JobConfigError: the message names the setting (job variable or config key).
@@ -347,7 +348,16 @@ def check_job(
             f"trainer.pipeline_model_parallel_size {t.pipeline_model_parallel_size} x "
             f"trainer.context_parallel_size {t.context_parallel_size} = {mp}"
         )
-    if device == "gpu":
+    if cfg.rollout.colocate:
+        # `megatron-rl train` starts the engines itself on its own node's devices, and only the
+        # controller's process tree may hand weights over (docs/COLOCATE.md): one node, no rollout step
+        if total_nodes != 1 or rollout_nodes != 0:
+            raise JobConfigError(
+                f"rollout.colocate: true runs on one node (the trainer starts the engines on its own devices); the "
+                f"job has {total_nodes} node(s) with ROLLOUT_NODES={rollout_nodes}: submit with --nodes=1 and "
+                "ROLLOUT_NODES=0, or set rollout.colocate=false for separate rollout nodes")
+        per_node = cfg.rollout.num_servers
+    elif device == "gpu":
         if rollout_tp_size < 1 or gpus_per_node % rollout_tp_size:
             raise JobConfigError(
                 f"ROLLOUT_TP_SIZE={rollout_tp_size} must divide GPUS_PER_NODE={gpus_per_node} (one rollout engine "
@@ -385,7 +395,7 @@ def check_job(
     return {"trainer_world": world, "dp": world // mp, "engines": engines, "engines_per_node": per_node,
             "model_path": str(cfg.model.path), "run_dir": str(cfg.run_dir), "rollout_backend": rollout_backend,
             "trainer_backend": trainer_backend, "vllm_python": cfg.rollout.vllm_python,
-            "vllm_extra_args": shlex.join(cfg.rollout.vllm_extra_args)}
+            "vllm_extra_args": shlex.join(cfg.rollout.vllm_extra_args), "colocate": int(cfg.rollout.colocate)}
 
 
 def vllm_command(python: str, model: str, *, host: str, port: int, tp_size: int, gpu_memory_utilization: float,

@@ -329,3 +329,30 @@ def test_async_recipe_passes_the_job_checks(tmp_path):
     out = _check(config=str(REPO / "examples/qwen2.5-32b/dapo-async.yaml"), overrides=files)
     assert out["trainer_world"] == 32 and out["dp"] == 2 and out["engines"] == 8
     assert (out["rollout_backend"], out["trainer_backend"]) == ("sglang", "sglang")
+
+
+def test_colocated_recipe_is_one_node_without_a_rollout_step(tmp_path):
+    """rollout.colocate (issue 17): the trainer starts its rollout.num_servers engines itself, so the
+    job is one node with ROLLOUT_NODES=0 (allowed on GPUs here, unlike the disaggregated recipes);
+    more nodes or rollout nodes are refused naming the settings."""
+    model = tmp_path / "Qwen2.5-7B"
+    model.mkdir()
+    (model / "config.json").write_text((REPO / "examples/qwen2.5-7b/config.json").read_text())
+    data = tmp_path / "d.jsonl"
+    data.write_text("")
+    files = [f"model.path={model}", f"data.train_files=[{data}]", f"data.val_files=[{data}]"]
+    recipe = str(REPO / "examples/qwen2.5-7b/dapo-colocate.yaml")
+    out = _check(config=recipe, overrides=files, total_nodes=1, trainer_nodes=1, rollout_nodes=0, rollout_tp_size=2)
+    assert (out["colocate"], out["engines"], out["trainer_world"]) == (1, 4, 8)
+    assert out["trainer_backend"] == "sglang"
+    with pytest.raises(jobtool.JobConfigError, match=r"rollout.colocate: true runs on one node .* 2 node\(s\) with "
+                                                     r"ROLLOUT_NODES=1: submit with --nodes=1 and ROLLOUT_NODES=0"):
+        _check(config=recipe, overrides=files, total_nodes=2, trainer_nodes=1, rollout_nodes=1, rollout_tp_size=2)
+    with pytest.raises(jobtool.JobConfigError, match=r"2 node\(s\) with ROLLOUT_NODES=0"):
+        _check(config=recipe, overrides=files, total_nodes=2, trainer_nodes=2, rollout_nodes=0, rollout_tp_size=2)
+    ci = str(REPO / "examples/tiny/ci.yaml")
+    cpu = dict(total_nodes=1, trainer_nodes=1, rollout_nodes=0, gpus_per_node=1, rollout_tp_size=1,
+               engines_per_node=1, device="cpu")
+    assert jobtool.check_job(ci, [], **cpu)["colocate"] == 0
+    out = jobtool.check_job(ci, ["rollout.colocate=true"], **cpu)
+    assert (out["colocate"], out["trainer_backend"], out["engines"]) == (1, "embedded", 1)

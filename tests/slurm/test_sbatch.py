@@ -193,6 +193,30 @@ def test_ci_recipe_with_vllm_engines_through_sbatch(cluster, tmp_path):
     assert "rollout servers reachable" in (run / "train.log").read_text()
 
 
+def test_colocated_ci_recipe_through_sbatch(cluster, tmp_path):
+    """rollout.colocate=true (issue 17): the job has no rollout step; `megatron-rl train` starts its
+    engine itself (on CPU the embedded server, standing in for SGLang with --enable-memory-saver) and
+    hands the weights over by shared-memory handles; two short steps complete with the colocated
+    phases recorded."""
+    run = tmp_path / "run"
+    job, out = submit(tmp_path, f"run_dir={run}", "trainer.total_training_steps=2", "trainer.save_interval=0",
+                      "data.train_batch_size=4", "data.gen_batch_size=6", "rollout.n=4", "actor.ppo_mini_batch_size=2",
+                      "rollout.colocate=true", *FAST)
+    info = wait_state(job, ENDED, 600, out)
+    text = out.read_text()
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text[-4000:]
+    assert "rollout: colocated: 1 engine(s) started by the trainer on its devices" in text
+    assert "rollout step started" not in text
+    jobdir = run / "slurm" / f"job-{job}"
+    assert not list(jobdir.glob("rollout-*.log"))
+    assert not any(a.startswith("rollout.server_urls") for a in (jobdir / "trainer.args").read_text().splitlines())
+    assert metric_steps(run) == [1, 2]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "train/acc" in r]
+    assert [r["weight_sync/version"] for r in steps] == [1, 2]
+    assert all("colocate/engine_release_s" in r and "colocate/trainer_onload_s" in r for r in steps)
+
+
 def test_requeue_mid_run_resumes_from_last_checkpoint(cluster, tmp_path):
     """`scontrol requeue` while step 3+ runs (every process of the job gets SIGTERM, then SIGKILL
     after KillWait): the requeued job resumes from the newest checkpoint on disk (the periodic
