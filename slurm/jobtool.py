@@ -314,8 +314,8 @@ def check_job(
     def load(trainer_backend: str | None):
         # the config exactly as the trainer gets it: train.sbatch appends rollout.backend=<trainer_backend>
         extra = [f"rollout.backend={trainer_backend}"] if trainer_backend else []
-        try:
-            return load_config(config, [*overrides, *extra])
+        try:  # train.sbatch passes trainer.nproc_per_node=GPUS_PER_NODE before the user's overrides
+            return load_config(config, [f"trainer.nproc_per_node={gpus_per_node}", *overrides, *extra])
         except (ValueError, FileNotFoundError) as e:
             how = f" with ROLLOUT_BACKEND={rollout_backend} (rollout.backend={trainer_backend})" if extra else ""
             raise JobConfigError(f"{config}{how}: {e}") from None

@@ -164,7 +164,7 @@ class ColocatedWeightSender:
         clients: the engines' clients.
         memory: the controller's `EngineMemory` (resume weights before, KV after), None on a
             stage source that is not the controller.
-        bucket_size_mib: bytes per bucket (one reusable buffer of this size).
+        bucket_size_mib: bytes per bucket (each of the `buffers` reusable buffers has this size).
         timeout_s: timeout of each HTTP call, seconds.
         dtype: the engines' weight dtype; None reads `/model_info`.
         keep_buffer: keep the bucket buffers between updates (freed at `close`): no fresh pages to
@@ -226,13 +226,16 @@ class ColocatedWeightSender:
         one bucket go to every engine in turn, buckets in order, from one helper thread while the
         next bucket is packed; a buffer is packed again only once every engine has answered for it
         and its handles are collected; the buffers are freed at the end unless `keep_buffer`).
-        Returns the stats of `WeightSyncSender.send` (`broadcast_time_s` = the hand-over calls,
-        `prepare_time_s` = packing; with 2 buffers they overlap).
+        Returns the stats of `WeightSyncSender.send`: `prepare_time_s` = packing on this thread,
+        `broadcast_time_s` = the rest of the hand-over's wall time (calls not hidden behind
+        packing), so the two add up to the hand-over's wall time as in the broadcast path.
 
         Raises:
-            WeightSyncError: no tensors, or an engine refused a bucket (the buckets in flight are
-                waited for first).
+            WeightSyncError: no tensors, or an engine refused a bucket: the first failure in bucket
+                order is raised, after the buckets in flight ended; buckets queued behind a failed
+                one are not sent (no engine gets the version label without every bucket before it).
         """
+        import threading
         from concurrent.futures import Future, ThreadPoolExecutor
 
         t_all = time.perf_counter()
@@ -243,20 +246,25 @@ class ColocatedWeightSender:
         stats = dict.fromkeys(("bytes", "num_buckets", "num_tensors", "broadcast_time_s", "prepare_time_s",
                                "load_time_s"), 0.0)
         inflight: list[Optional[Future]] = [None] * len(senders)
+        failed = threading.Event()  # a bucket failed: the ones queued behind it are not sent
 
-        def post(payload: str, version: str | None) -> float:
-            t0 = time.perf_counter()
-            for c in self.clients:
-                c.update_weights_from_tensor([payload], load_format="flattened_bucket", flush_cache=False,
-                                             weight_version=version, timeout_s=self.timeout_s)
-            return time.perf_counter() - t0
+        def post(payload: str, version: str | None) -> None:
+            if failed.is_set():
+                raise WeightSyncError("not sent: an earlier bucket failed")
+            try:
+                for c in self.clients:
+                    c.update_weights_from_tensor([payload], load_format="flattened_bucket", flush_cache=False,
+                                                 weight_version=version, timeout_s=self.timeout_s)
+            except BaseException:
+                failed.set()
+                raise
 
         def settle(slot: int) -> None:
             """Wait for the bucket in `slot` (raises its error) and collect its handles."""
             fut, inflight[slot] = inflight[slot], None
             if fut is not None:
                 try:
-                    stats["broadcast_time_s"] += fut.result()
+                    fut.result()
                 finally:
                     senders[slot].after_bucket()  # ipc_collect (CUDA) once every engine has answered
 
@@ -276,16 +284,21 @@ class ColocatedWeightSender:
                 stats["prepare_time_s"] += time.perf_counter() - tp
                 version = weight_version if following is None else None
                 if pool is None:
-                    inflight[slot] = done = Future()
-                    done.set_result(post(payload, version))
+                    done = Future()
+                    try:
+                        post(payload, version)
+                        done.set_result(None)
+                    except BaseException as e:  # noqa: BLE001 - raised by settle, in bucket order
+                        done.set_exception(e)
+                    inflight[slot] = done
                 else:
                     inflight[slot] = pool.submit(post, payload, version)
                 stats["bytes"] += sum(t.numel() * t.element_size() for _, t in current)
                 stats["num_buckets"] += 1
                 stats["num_tensors"] += len(current)
                 current, index = following, index + 1
-            for slot in range(len(senders)):
-                settle(slot)
+            for k in range(index, index + len(senders)):  # oldest bucket first: its error is the one raised
+                settle(k % len(senders))
         except RolloutServerError as e:
             raise WeightSyncError(f"colocated weight hand-over failed: {e}") from e
         except (ValueError, TypeError) as e:  # bad input from the tensor iterable
@@ -303,8 +316,10 @@ class ColocatedWeightSender:
             if not self.keep_buffer:
                 for sender in senders:
                     sender.close()
+        elapsed = time.perf_counter() - t_all
+        stats["broadcast_time_s"] = max(elapsed - stats["prepare_time_s"], 0.0)
         logger.info("colocated hand-over: %d tensors, %.1f MiB in %.3f s", stats["num_tensors"],
-                    stats["bytes"] / 2**20, time.perf_counter() - t_all)
+                    stats["bytes"] / 2**20, elapsed)
         return stats
 
     def finish_update(self, weight_version: str, *, flush_refusal_ok: bool = False,

@@ -350,6 +350,11 @@ def test_colocated_recipe_is_one_node_without_a_rollout_step(tmp_path):
         _check(config=recipe, overrides=files, total_nodes=2, trainer_nodes=1, rollout_nodes=1, rollout_tp_size=2)
     with pytest.raises(jobtool.JobConfigError, match=r"2 node\(s\) with ROLLOUT_NODES=0"):
         _check(config=recipe, overrides=files, total_nodes=2, trainer_nodes=2, rollout_nodes=0, rollout_tp_size=2)
+    # the config is checked with trainer.nproc_per_node=GPUS_PER_NODE, as train.sbatch passes it:
+    # 4 engines of TP 2 do not fit on 4 GPUs
+    with pytest.raises(jobtool.JobConfigError, match=r"4 engines with rollout.colocate: true, but trainer.nproc_per_node 4"):
+        _check(config=recipe, overrides=files, total_nodes=1, trainer_nodes=1, rollout_nodes=0, rollout_tp_size=2,
+               gpus_per_node=4)
     ci = str(REPO / "examples/tiny/ci.yaml")
     cpu = dict(total_nodes=1, trainer_nodes=1, rollout_nodes=0, gpus_per_node=1, rollout_tp_size=1,
                engines_per_node=1, device="cpu")

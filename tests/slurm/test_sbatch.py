@@ -182,7 +182,7 @@ def test_ci_recipe_with_vllm_engines_through_sbatch(cluster, tmp_path):
     info = wait_state(job, ENDED, 600, out)
     text = out.read_text()
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", text[-4000:]
-    assert "ROLLOUT_BACKEND=vllm, trainer rollout.backend=vllm-embedded" in text
+    assert "ROLLOUT_BACKEND=vllm); trainer rollout.backend=vllm-embedded" in text
     assert metric_steps(run) == [1, 2]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["weight_sync/version"] for r in rows if "train/acc" in r] == [1, 2]  # synced over vLLM's routes

@@ -176,7 +176,10 @@ def test_double_buffered_hand_over_overlaps_packing_and_keeps_order(monkeypatch)
     assert one.send(iter(named), weight_version="7")["num_buckets"] == 5
 
 
-def test_a_refused_bucket_waits_for_the_one_in_flight_and_raises():
+@pytest.mark.parametrize("buffers", [1, 2])
+def test_a_refused_bucket_waits_for_the_one_in_flight_and_raises(buffers):
+    """Bucket 2 of 5 refused: the error raised is that one (not a later bucket's), nothing is left
+    reading a buffer, and no bucket behind it is sent, so the version label never arrives."""
     from megatron_rl.errors import RolloutServerError, WeightSyncError
     from megatron_rl.weight_sync import colocated as col
 
@@ -184,11 +187,16 @@ def test_a_refused_bucket_waits_for_the_one_in_flight_and_raises():
         def update_weights_from_tensor(self, payloads, **kw):
             if self.calls == 2:
                 self.calls += 1
-                raise RolloutServerError("bucket refused", status_code=400)
+                raise RolloutServerError("bucket 2 refused", status_code=400)
+            if self.calls == 3:
+                self.calls += 1
+                raise RolloutServerError("bucket 3 refused", status_code=400)
             return super().update_weights_from_tensor(payloads, **kw)
 
     engine = Refuses(delay_s=0.02)
-    sender = col.ColocatedWeightSender([engine], bucket_size_mib=64 * 4 / 2**20, dtype=torch.float32)
-    with pytest.raises(WeightSyncError, match="bucket refused"):
+    sender = col.ColocatedWeightSender([engine], bucket_size_mib=64 * 4 / 2**20, dtype=torch.float32,
+                                       buffers=buffers)
+    with pytest.raises(WeightSyncError, match="bucket 2 refused"):
         sender.send(iter([(f"w{i}", torch.ones(64)) for i in range(5)]), weight_version="1")
     assert not engine.busy  # nothing was left reading a freed buffer
+    assert "1" not in engine.versions and engine.calls <= 3  # buckets 3-5 were not sent after the failure
