@@ -18,6 +18,9 @@ metric's mean, sample SD and range over the runs.
 
     .venv/bin/python benchmarks/first_command_spread.py --runs 5 --commit     # ~6.5 min a run at idle
     .venv/bin/python benchmarks/first_command_spread.py --table-only         # the table from the file
+    # the other recipes over seeds (run i gets trainer.seed=i): greedy vs avg@8 after training
+    .venv/bin/python benchmarks/first_command_spread.py --recipe examples/tiny/grpo.yaml --vary-seed --runs 3 \
+        --out benchmarks/results/recipe_seeds_grpo.json --commit
 """
 
 from __future__ import annotations
@@ -55,16 +58,17 @@ def _flat(ev: dict) -> dict:
     return out
 
 
-def run_once(index: int, work: Path, python: str) -> dict:
-    """One run of the first command in `work/run{index}`; its numbers.
+def run_once(index: int, work: Path, python: str, recipe: Path = RECIPE, seed: int | None = None) -> dict:
+    """One run of `recipe` (the first command's by default) in `work/run{index}`, with
+    `trainer.seed=seed` when given; its numbers.
 
     Raises:
         SystemExit: the run failed (names its log).
     """
     run_dir = work / f"run{index}"
     log = work / f"run{index}.log"
-    cmd = [python, "-m", "megatron_rl.cli", "train", "--config", str(RECIPE), f"run_dir={run_dir}",
-           "trainer.progress_bar=false"]
+    cmd = [python, "-m", "megatron_rl.cli", "train", "--config", str(recipe), f"run_dir={run_dir}",
+           "trainer.progress_bar=false", *([f"trainer.seed={seed}"] if seed is not None else [])]
     load0 = os.getloadavg()
     t0 = time.perf_counter()
     with open(log, "w") as fh:
@@ -73,7 +77,7 @@ def run_once(index: int, work: Path, python: str) -> dict:
     if code != 0:
         raise SystemExit(f"run {index} failed (exit {code}); see {log}")
     summary = json.loads((run_dir / "summary.json").read_text())
-    return {"run": index, "steps": summary["steps"], "wall_s": wall, "train_wall_s": summary.get("wall_s"),
+    return {"run": index, "seed": seed, "steps": summary["steps"], "wall_s": wall, "train_wall_s": summary.get("wall_s"),
             "loadavg_before": load0, "loadavg_after": os.getloadavg(),
             "before": _flat(summary["eval_before"]), "after": _flat(summary["eval_after"]),
             "finished_at": time.strftime("%Y-%m-%d %H:%M:%S")}
@@ -118,13 +122,22 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=5, help="runs in all (those already in --out count)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    p.add_argument("--work", type=Path, default=REPO / "runs" / "first_command_spread", help="run folders and logs")
+    p.add_argument("--work", type=Path, help="run folders and logs (default: runs/<name of --out>)")
     p.add_argument("--commit", action="store_true", help="git-commit --out after each run")
     p.add_argument("--table-only", action="store_true", help="print the table from --out; run nothing")
     p.add_argument("--python", default=sys.executable)
+    p.add_argument("--recipe", type=Path, default=RECIPE, help="recipe to run (default: the first command's)")
+    p.add_argument("--vary-seed", action="store_true", help="run i gets trainer.seed=i (default: the recipe's seed)")
     args = p.parse_args(argv)
-    data = json.loads(args.out.read_text()) if args.out.exists() else {"recipe": str(RECIPE.relative_to(REPO)),
-                                                                        "runs": []}
+    args.work = args.work or REPO / "runs" / args.out.stem
+    recipe = args.recipe if args.recipe.is_absolute() else (REPO / args.recipe)
+    if not recipe.is_file():
+        p.error(f"--recipe {args.recipe}: no such file")
+    data = json.loads(args.out.read_text()) if args.out.exists() else {
+        "recipe": str(recipe.relative_to(REPO)) if recipe.is_relative_to(REPO) else str(recipe),
+        "vary_seed": args.vary_seed, "runs": []}
+    if data.get("recipe") not in (str(recipe), str(recipe.relative_to(REPO)) if recipe.is_relative_to(REPO) else None):
+        p.error(f"{args.out} holds runs of {data.get('recipe')}, not {args.recipe}: pass another --out")
     if not args.table_only:
         args.work.mkdir(parents=True, exist_ok=True)
         done = {r["run"] for r in data["runs"]}
@@ -132,7 +145,7 @@ def main(argv=None) -> int:
             if index in done:
                 continue
             print(f"run {index}/{args.runs} ...", flush=True)
-            data["runs"].append(run_once(index, args.work, args.python))
+            data["runs"].append(run_once(index, args.work, args.python, recipe, index if args.vary_seed else None))
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(data, indent=1) + "\n")
             if args.commit:
