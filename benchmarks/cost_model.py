@@ -458,13 +458,13 @@ def run_cost(shape: ModelShape, recipe: RLRecipe, cluster: Cluster, steps: int, 
 
 def colocated_memory(shape: ModelShape, layout: TrainLayout, gpu: GPU, eng: RolloutEngine, *,
                      trainer_residual_gib: float = 4.0, engine_residue_gib: float = 1.5,
-                     bucket_gib: float = 0.5, buffers: int = 2) -> dict:
+                     bucket_gib: float = 0.5, buffers: int = 1) -> dict:
     """Memory of one GPU of a colocated node in each phase, GiB (the protocol of DESIGN.md:
     release -> train -> offload -> resume weights -> IPC update -> resume KV -> generate).
 
     train: the trainer resident (`memory_per_gpu`) + the released engine's residue (CUDA context,
     graphs); update: the trainer's residual after offload + the engine's weight shard + `buffers`
-    IPC buckets of `bucket_gib` (the hand-over is double-buffered, `weight_sync/colocated.py`); generate: the residual + the engine's `mem_fraction x GPU` pool (weights + KV).
+    IPC buckets of `bucket_gib` (`ColocatedWeightSender(buffers=...)`, 1 by default); generate: the residual + the engine's `mem_fraction x GPU` pool (weights + KV).
     `fits` when every phase is <= the GPU's memory."""
     train = memory_per_gpu(shape, layout)["total_gib"] + engine_residue_gib
     weights = shape.total_params() * 2 / eng.tp / GIB

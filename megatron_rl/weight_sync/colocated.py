@@ -170,15 +170,17 @@ class ColocatedWeightSender:
         keep_buffer: keep the bucket buffers between updates (freed at `close`): no fresh pages to
             fault in per update, but the bucket-sized segments stay alive between updates. Default
             False: nothing the trainer created outlives an update (CASES.md N12).
-        buffers: bucket buffers used in turn (2: double buffering; 1: one buffer, no overlap).
-            With 2, bucket k+1 is packed while the engines copy bucket k out of the other buffer
-            (the calls go out in order from one helper thread), so the hand-over approaches one
-            copy's time instead of two; the staging memory is `buffers` x `bucket_size_mib`.
+        buffers: bucket buffers used in turn: 1 (default) packs a bucket, waits for every engine,
+            packs the next; 2 double-buffers (bucket k+1 is packed while the engines copy bucket k
+            out of the other buffer; the calls go out in order from one helper thread), which hides
+            per-bucket latency but doubles the staging memory. Measured on CPU it gains nothing:
+            the trainer's packing and the engine's copy are both bound by the same memory
+            bandwidth (benchmarks/README.md, "colocated hand-over").
     """
 
     def __init__(self, clients: list["RolloutClient"], *, memory: Optional[EngineMemory] = None,
                  bucket_size_mib: float = 512.0, timeout_s: float = 600.0, dtype: torch.dtype | None = None,
-                 keep_buffer: bool = False, buffers: int = 2) -> None:
+                 keep_buffer: bool = False, buffers: int = 1) -> None:
         if not clients:
             raise ValueError("ColocatedWeightSender needs at least one rollout client")
         if buffers not in (1, 2):

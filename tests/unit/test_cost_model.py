@@ -116,14 +116,15 @@ def test_recipe_layouts_match_the_yaml_and_sbatch(cm):
 
 
 def test_colocated_memory_phases_hand_computed(cm):
-    """Qwen2.5-0.5B-like shape on an H100, engine TP 1 at 0.5: update = residual 4 + weights + 2 buckets of 0.5;
+    """Qwen2.5-0.5B-like shape on an H100, engine TP 1 at 0.5: update = residual 4 + weights + one bucket of 0.5;
     generate = residual 4 + 0.5 x 79.6; train = the trainer's own total + the engine residue 1.5."""
     shape = cm.ModelShape(hidden=896, ffn=4864, layers=24, heads=14, kv_heads=2, vocab=151936, tied_embeddings=True)
     lay = cm.TrainLayout(tp=1, pp=1, dp=1, seq_len=1024)
     eng = cm.RolloutEngine(tp=1, mem_fraction=0.5)
     m = cm.colocated_memory(shape, lay, cm.H100, eng)
     w = shape.total_params() * 2 / 2**30
-    assert m["phases_gib"]["update"] == pytest.approx(4 + w + 2 * 0.5)
+    assert m["phases_gib"]["update"] == pytest.approx(4 + w + 0.5)
+    assert cm.colocated_memory(shape, lay, cm.H100, eng, buffers=2)["phases_gib"]["update"] == pytest.approx(4 + w + 1.0)
     assert m["phases_gib"]["generate"] == pytest.approx(4 + 0.5 * 79.6)
     assert m["phases_gib"]["train"] == pytest.approx(cm.memory_per_gpu(shape, lay)["total_gib"] + 1.5)
     assert m["fits"]

@@ -165,7 +165,7 @@ def test_double_buffered_hand_over_overlaps_packing_and_keeps_order(monkeypatch)
 
     monkeypatch.setattr(ColocatedSender, "payload", payload)
     named = [(f"w{i}", torch.full((64,), float(i))) for i in range(5)]
-    sender = col.ColocatedWeightSender([engine], bucket_size_mib=64 * 4 / 2**20, dtype=torch.float32)
+    sender = col.ColocatedWeightSender([engine], bucket_size_mib=64 * 4 / 2**20, dtype=torch.float32, buffers=2)
     stats = sender.send(iter(named), weight_version="7")
     assert [n for n, _ in engine.received] == [n for n, _ in named]
     assert all(torch.equal(a, b) for (_, a), (_, b) in zip(engine.received, named))
