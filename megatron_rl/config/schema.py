@@ -143,7 +143,9 @@ class RolloutConfig:
     top_k: int = -1
     """Sample among the k most likely tokens; -1 (default) = whole vocabulary. verl: `rollout.top_k`."""
     deterministic: bool = True
-    """Derive each response's `sampling_seed` from (seed, step, prompt, response) so a run repeats."""
+    """Derive each response's `sampling_seed` from (seed, step, prompt, response), so the seeds do
+    not depend on arrival order. Runs repeat only as far as the server's batching lets them (a
+    near-tie token can flip): bit for bit needs `enable_deterministic_inference` too."""
     enable_deterministic_inference: bool = False
     """Start the servers with `--enable-deterministic-inference` (SGLang's flag): results do not
     depend on how concurrent requests are batched, so runs repeat bit for bit even when timing
