@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -67,6 +68,7 @@ def run_once(index: int, work: Path, python: str, recipe: Path = RECIPE, seed: i
     """
     run_dir = work / f"run{index}"
     log = work / f"run{index}.log"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a folder left by an interrupted run: start it over, not resume
     cmd = [python, "-m", "megatron_rl.cli", "train", "--config", str(recipe), f"run_dir={run_dir}",
            "trainer.progress_bar=false", *([f"trainer.seed={seed}"] if seed is not None else [])]
     load0 = os.getloadavg()
@@ -106,16 +108,20 @@ def table(runs: list[dict]) -> str:
 
 
 def _commit(path: Path, message: str, tries: int = 5) -> None:
-    """`git add` + `git commit` of `path`, retried while another git process holds the index lock."""
+    """`git add` + `git commit` of `path`, retried while another git process holds the index lock;
+    any other git failure is printed at once (the file stays written)."""
     for attempt in range(tries):
-        add = subprocess.run(["git", "add", str(path)], cwd=REPO, capture_output=True, text=True)
-        done = add.returncode == 0 and subprocess.run(
-            ["git", "commit", "-q", "-m", message, "--", str(path)], cwd=REPO, capture_output=True, text=True
-        ).returncode == 0
-        if done:
+        for cmd in (["git", "add", str(path)], ["git", "commit", "-q", "-m", message, "--", str(path)]):
+            out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+            if out.returncode != 0:
+                break
+        else:
+            return
+        if "index.lock" not in out.stderr or attempt == tries - 1:
+            print(f"warning: could not commit {path} ({' '.join(cmd[:2])}: {out.stderr.strip()[:300]}); "
+                  "it is written, commit it by hand", flush=True)
             return
         time.sleep(2.0 * (attempt + 1))
-    print(f"warning: could not commit {path} (git busy?); it is written, commit it by hand", flush=True)
 
 
 def main(argv=None) -> int:
@@ -129,15 +135,20 @@ def main(argv=None) -> int:
     p.add_argument("--recipe", type=Path, default=RECIPE, help="recipe to run (default: the first command's)")
     p.add_argument("--vary-seed", action="store_true", help="run i gets trainer.seed=i (default: the recipe's seed)")
     args = p.parse_args(argv)
-    args.work = args.work or REPO / "runs" / args.out.stem
-    recipe = args.recipe if args.recipe.is_absolute() else (REPO / args.recipe)
+    args.out = args.out.resolve()
+    args.work = (args.work or REPO / "runs" / args.out.stem).resolve()
+    recipe = (args.recipe if args.recipe.is_absolute() else REPO / args.recipe).resolve()
     if not recipe.is_file():
         p.error(f"--recipe {args.recipe}: no such file")
-    data = json.loads(args.out.read_text()) if args.out.exists() else {
-        "recipe": str(recipe.relative_to(REPO)) if recipe.is_relative_to(REPO) else str(recipe),
-        "vary_seed": args.vary_seed, "runs": []}
-    if data.get("recipe") not in (str(recipe), str(recipe.relative_to(REPO)) if recipe.is_relative_to(REPO) else None):
-        p.error(f"{args.out} holds runs of {data.get('recipe')}, not {args.recipe}: pass another --out")
+    name = str(recipe.relative_to(REPO)) if recipe.is_relative_to(REPO) else str(recipe)
+    data = json.loads(args.out.read_text()) if args.out.exists() else {"recipe": name, "vary_seed": args.vary_seed,
+                                                                        "runs": []}
+    if not args.table_only and data["runs"]:  # runs of one setting only in a file
+        if data.get("recipe") != name:
+            p.error(f"{args.out} holds runs of {data.get('recipe')}, not {name}: pass another --out")
+        if bool(data.get("vary_seed", False)) != args.vary_seed:
+            p.error(f"{args.out} holds runs {'with' if data.get('vary_seed') else 'without'} --vary-seed: "
+                    "pass the same setting or another --out")
     if not args.table_only:
         args.work.mkdir(parents=True, exist_ok=True)
         done = {r["run"] for r in data["runs"]}
@@ -149,7 +160,7 @@ def main(argv=None) -> int:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(data, indent=1) + "\n")
             if args.commit:
-                _commit(args.out, f"first_command_spread: run {index}")
+                _commit(args.out, f"{args.out.stem}: run {index}")
     if not data["runs"]:
         print(f"no runs in {args.out}")
         return 1

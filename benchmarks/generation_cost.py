@@ -11,8 +11,10 @@ wall time, the server process's CPU time (/proc/<pid>/stat: user + system), this
 - `deterministic`: `--enable-deterministic-inference` (`rollout.enable_deterministic_inference`),
   every request in a batch of its own, so a run repeats bit for bit.
 
-The first step of each mode is a warm-up and left out of the medians. Server CPU time is the
-figure to read on a shared machine (other jobs stretch wall time, not CPU time).
+The first step of each mode is a warm-up and left out; the table gives the sums over the other
+steps (wall, CPU, tokens) and the CPU per token from those sums, so every column describes the
+same steps. Server CPU time is the figure to read on a shared machine (other jobs stretch wall
+time, not CPU time).
 `--profile DIR` also records the server with py-spy (raw collapsed stacks, `pip install py-spy`).
 
     .venv/bin/python benchmarks/generation_cost.py                  # both modes, 4 steps each (~1.5 min)
@@ -28,7 +30,6 @@ import json
 import os
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -73,7 +74,7 @@ def measure(mode: str, repeats: int, prompts: int, n: int, max_new_tokens: int, 
         try:
             for k in range(repeats):
                 if k == 1 and profile is not None:
-                    spy = subprocess.Popen([shutil.which("py-spy") or "py-spy", "record", "--format", "raw", "-r", "200",
+                    spy = subprocess.Popen([_py_spy(), "record", "--nonblocking", "--format", "raw", "-r", "200",
                                             "-o", str(profile / f"server_{mode}.txt"), "-p", str(pid)])
                     time.sleep(1.0)
                 c0, p0, t0 = process_cpu_s(pid), time.process_time(), time.perf_counter()
@@ -90,10 +91,24 @@ def measure(mode: str, repeats: int, prompts: int, n: int, max_new_tokens: int, 
                 spy.wait()
             manager.close()
             client.close()
-    timed = steps[1:] or steps
-    med = {key: statistics.median(s[key] for s in timed) for key in ("wall_s", "server_cpu_s", "client_cpu_s", "tokens")}
-    med["server_cpu_ms_per_token"] = 1000 * med["server_cpu_s"] / max(med["tokens"], 1)
-    return {"steps": steps, "median": med}
+    timed = steps[1:]
+    total = {key: sum(s[key] for s in timed) for key in ("wall_s", "server_cpu_s", "client_cpu_s", "tokens")}
+    total["steps"] = len(timed)
+    total["server_cpu_ms_per_token"] = 1000 * total["server_cpu_s"] / max(total["tokens"], 1)
+    return {"steps": steps, "total": total}
+
+
+def _py_spy() -> str:
+    """py-spy next to this interpreter (the venv's), else on PATH.
+
+    Raises:
+        SystemExit: not installed (before any server starts).
+    """
+    here = Path(sys.executable).parent / "py-spy"
+    found = str(here) if here.is_file() else shutil.which("py-spy")
+    if not found:
+        raise SystemExit("--profile needs py-spy (.venv/bin/pip install py-spy)")
+    return found
 
 
 def main(argv=None) -> int:
@@ -106,19 +121,24 @@ def main(argv=None) -> int:
     p.add_argument("--profile", type=Path, help="py-spy raw stacks of the server (steps 2..) into this folder")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "generation_cost.json")
     args = p.parse_args(argv)
+    if args.repeats < 2:
+        p.error("--repeats must be >= 2 (the first step of each mode is a warm-up)")
+    if args.profile is not None:
+        _py_spy()
     load0 = os.getloadavg()
     result = {"settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
               "loadavg_before": load0, "modes": {}}
     for mode in args.modes:
         result["modes"][mode] = measure(mode, args.repeats, args.prompts, args.n, args.max_new_tokens, args.profile)
     result["loadavg_after"] = os.getloadavg()
-    print(f"\n| mode | wall s | server CPU s | client CPU s | tokens | server CPU ms / token |\n|---|---|---|---|---|---|")
+    print(f"\nsums over steps 2..{args.repeats} of each mode:")
+    print(f"| mode | wall s | server CPU s | client CPU s | tokens | server CPU ms / token |\n|---|---|---|---|---|---|")
     for mode, r in result["modes"].items():
-        m = r["median"]
+        m = r["total"]
         print(f"| {mode} | {m['wall_s']:.2f} | {m['server_cpu_s']:.2f} | {m['client_cpu_s']:.2f} | {m['tokens']:.0f} | "
               f"{m['server_cpu_ms_per_token']:.3f} |")
     if {"batched", "deterministic"} <= set(result["modes"]):
-        b, d = result["modes"]["batched"]["median"], result["modes"]["deterministic"]["median"]
+        b, d = result["modes"]["batched"]["total"], result["modes"]["deterministic"]["total"]
         result["deterministic_over_batched"] = {"wall": d["wall_s"] / b["wall_s"],
                                                 "server_cpu": d["server_cpu_s"] / b["server_cpu_s"]}
         print(f"deterministic / batched: wall {result['deterministic_over_batched']['wall']:.1f}x, server CPU "
