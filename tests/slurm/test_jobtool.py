@@ -75,6 +75,16 @@ def test_b31_interface_resolution_per_node():
     assert jobtool.resolve_ipv4("lo", jobtool.interface_table(), socket.gethostname()) == "127.0.0.1"
 
 
+def _fake_model_files(tmp_path, family: str) -> list[str]:
+    """Overrides naming a model folder holding only examples/<family>/config.json and empty data files."""
+    model = tmp_path / family
+    model.mkdir()
+    (model / "config.json").write_text((REPO / f"examples/{family}/config.json").read_text())
+    data = tmp_path / "d.jsonl"
+    data.write_text("")
+    return [f"model.path={model}", f"data.train_files=[{data}]", f"data.val_files=[{data}]"]
+
+
 def _check(**kw):
     args = dict(config=str(REPO / "examples/qwen2.5-32b/dapo.yaml"), overrides=[], total_nodes=8, trainer_nodes=4,
                 rollout_nodes=4, gpus_per_node=8, rollout_tp_size=4, engines_per_node=1, device="gpu")
@@ -240,12 +250,7 @@ def test_check_rollout_backend_picks_the_trainers_backend(tmp_path):
                                                      r".*load_format"):
         jobtool.check_job(ci, ["weight_sync.load_format=flattened_bucket"], rollout_backend="vllm", **cpu)
 
-    model = tmp_path / "Qwen2.5-32B"
-    model.mkdir()
-    (model / "config.json").write_text((REPO / "examples/qwen2.5-32b/config.json").read_text())
-    data = tmp_path / "d.jsonl"
-    data.write_text("")
-    files = [f"model.path={model}", f"data.train_files=[{data}]", f"data.val_files=[{data}]"]
+    files = _fake_model_files(tmp_path, "qwen2.5-32b")
     # the SGLang recipe's PP 2 cannot feed vLLM's single weight-transfer group
     with pytest.raises(jobtool.JobConfigError, match=r"ROLLOUT_BACKEND=vllm \(rollout.backend=vllm\).*"
                                                      r"pipeline_model_parallel_size 2"):
@@ -320,12 +325,7 @@ def test_async_recipe_passes_the_job_checks(tmp_path):
     synchronous recipe's layout, SGLang engines (they report per-token weight versions)."""
     sbatch = (REPO / "slurm/qwen2.5-32b-dapo-async.sbatch").read_text()
     assert "export RECIPE=examples/qwen2.5-32b/dapo-async.yaml" in sbatch and "#SBATCH --nodes=8" in sbatch
-    model = tmp_path / "Qwen2.5-32B"
-    model.mkdir()
-    (model / "config.json").write_text((REPO / "examples/qwen2.5-32b/config.json").read_text())
-    data = tmp_path / "d.jsonl"
-    data.write_text("")
-    files = [f"model.path={model}", f"data.train_files=[{data}]", f"data.val_files=[{data}]"]
+    files = _fake_model_files(tmp_path, "qwen2.5-32b")
     out = _check(config=str(REPO / "examples/qwen2.5-32b/dapo-async.yaml"), overrides=files)
     assert out["trainer_world"] == 32 and out["dp"] == 2 and out["engines"] == 8
     assert (out["rollout_backend"], out["trainer_backend"]) == ("sglang", "sglang")
@@ -335,12 +335,7 @@ def test_colocated_recipe_is_one_node_without_a_rollout_step(tmp_path):
     """rollout.colocate (issue 17): the trainer starts its rollout.num_servers engines itself, so the
     job is one node with ROLLOUT_NODES=0 (allowed on GPUs here, unlike the disaggregated recipes);
     more nodes or rollout nodes are refused naming the settings."""
-    model = tmp_path / "Qwen2.5-7B"
-    model.mkdir()
-    (model / "config.json").write_text((REPO / "examples/qwen2.5-7b/config.json").read_text())
-    data = tmp_path / "d.jsonl"
-    data.write_text("")
-    files = [f"model.path={model}", f"data.train_files=[{data}]", f"data.val_files=[{data}]"]
+    files = _fake_model_files(tmp_path, "qwen2.5-7b")
     recipe = str(REPO / "examples/qwen2.5-7b/dapo-colocate.yaml")
     out = _check(config=recipe, overrides=files, total_nodes=1, trainer_nodes=1, rollout_nodes=0, rollout_tp_size=2)
     assert (out["colocate"], out["engines"], out["trainer_world"]) == (1, 4, 8)

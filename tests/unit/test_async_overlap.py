@@ -3,21 +3,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+
+from tests.benchmark_module import load_benchmark
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def ao():
-    spec = importlib.util.spec_from_file_location("async_overlap", REPO / "benchmarks" / "async_overlap.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("async_overlap")
 
 
 def _row(step, step_s, gen=5.0, reward=1.0, filt=0.5, lp=1.0, upd=2.0, sync=0.5, tokens=1000, wait=0.0,

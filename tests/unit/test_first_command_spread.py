@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+
+from tests.benchmark_module import load_benchmark
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def fcs():
-    spec = importlib.util.spec_from_file_location("first_command_spread", REPO / "benchmarks" / "first_command_spread.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("first_command_spread")
 
 
 def _ev(avg, greedy, l1):

@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+
+from tests.benchmark_module import load_benchmark
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def tc():
-    spec = importlib.util.spec_from_file_location("trl_compare", REPO / "benchmarks" / "trl_compare.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("trl_compare")
 
 
 def test_trl_settings_mirror_the_grpo_recipe(tc):
