@@ -46,7 +46,8 @@ def _train(argv: list[str]) -> int:
 
     # before torch is imported: OpenMP reads OMP_WAIT_POLICY / OMP_NUM_THREADS when it loads
     size_run_threads(int(os.environ.get("LOCAL_WORLD_SIZE", cfg.trainer.nproc_per_node)),
-                     0 if cfg.rollout.server_urls else cfg.rollout.num_servers, cfg.trainer.num_threads)
+                     0 if cfg.rollout.server_urls else cfg.rollout.num_servers, cfg.trainer.num_threads,
+                     alternate=cfg.trainer.max_staleness == 0)
     if cfg.trainer.nproc_per_node > 1 and "WORLD_SIZE" not in os.environ:
         try:  # the layout checks, before any rank starts
             preflight.run_preflight(cfg, ("world_size", "data_parallel_split"))

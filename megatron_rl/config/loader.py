@@ -40,6 +40,7 @@ VERL_ALIASES: dict[str, str] = {
     "actor_rollout_ref.actor.optim.clip_grad": "actor.optim.clip_grad",
     "actor_rollout_ref.actor.grad_clip": "actor.optim.clip_grad",
     "actor_rollout_ref.actor.tis_imp_ratio_cap": "actor.tis.clip",
+    "actor_rollout_ref.model.use_remove_padding": "actor.sequence_packing",
     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": "actor.max_tokens_per_micro_batch",
     "actor.ppo_max_token_len_per_gpu": "actor.max_tokens_per_micro_batch",
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": "actor.ppo_micro_batch_size",

@@ -306,6 +306,14 @@ class ActorConfig(*option_bases(*(POLICY_LOSS_OPTIONS.get(n) for n in POLICY_LOS
     recompute (default: the trainer's forward pass before the first update, ALGORITHMS.md 5) |
     rollout (the rollout engine's log-probs, no recompute; only valid with trainer.max_staleness 0
     and an engine whose numerics match the trainer's). verl: `algorithm.rollout_correction.bypass_mode`."""
+    sequence_packing: bool = False
+    """Run each micro-batch packed: several sequences to a row, kept apart by a block-diagonal causal
+    mask, no padding between them (`trainer.batch.pack_sequences`); the log-probs are unpacked
+    before the loss, so the loss and its normaliser are unchanged. Fewer tokens through the model
+    when responses vary in length (the tiny recipe's update: 1.3x faster on CPU). Needs the local
+    layer spec (trainer.transformer_impl local, or auto without Transformer Engine) and one pipeline
+    stage: with Transformer Engine the packed (THD) path is not built.
+    Default false. verl: `actor_rollout_ref.model.use_remove_padding`."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer and learning-rate schedule."""
 

@@ -97,6 +97,22 @@ def _check_off_policy(cfg: Config) -> None:
                        correction.mode)
 
 
+def _check_packing(cfg: Config) -> None:
+    """`actor.sequence_packing` runs packed rows with a block-diagonal mask through the local layer
+    spec; what it cannot run with (every problem in one error)."""
+    if not cfg.actor.sequence_packing:
+        return
+    t = cfg.trainer
+    problems = [text for bad, text in (
+        (t.pipeline_model_parallel_size > 1, f"trainer.pipeline_model_parallel_size {t.pipeline_model_parallel_size} "
+         "(packed micro-batches change shape between stages; use 1)"),
+        (t.transformer_impl == "transformer_engine", "trainer.transformer_impl transformer_engine (the packed path "
+         "needs the local layer spec: local, or auto without Transformer Engine)"),
+    ) if bad]
+    if problems:
+        raise ConfigError("actor.sequence_packing: true cannot run with " + "; ".join(problems))
+
+
 def validate_config(cfg: Config) -> None:
     """Cross-section static checks (DESIGN.md "Configuration checks"); raise `ConfigError` naming keys."""
     _check_finite(cfg)
@@ -150,6 +166,7 @@ def validate_config(cfg: Config) -> None:
     if a.use_kl_loss and a.kl_loss_coef <= 0:
         raise ConfigError("actor.use_kl_loss: true needs actor.kl_loss_coef > 0")
     _check_off_policy(cfg)
+    _check_packing(cfg)
     if cfg.eval.n < 1:
         raise ConfigError("eval.n must be >= 1")
     longest = d.max_prompt_length + d.max_response_length

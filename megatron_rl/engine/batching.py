@@ -468,15 +468,23 @@ class GenerationEngine:
 
         seqs = [r.prompt_ids + r.output_ids for r in reqs]  # retracted requests recompute their KV
         length = max(len(s) for s in seqs)
-        ids = torch.zeros(len(seqs), length, dtype=torch.long)  # (B, L) left-padded
-        mask = torch.zeros(len(seqs), length, dtype=torch.long)  # (B, L)
-        for i, s in enumerate(seqs):
+        # Shared prefill: identical sequences (the n responses of one prompt) are run once and their
+        # KV cache and logits repeated, as SGLang's radix cache shares a group's prompt.
+        first: dict[tuple[int, ...], int] = {}
+        expand = torch.tensor([first.setdefault(tuple(s), len(first)) for s in seqs], dtype=torch.long)  # (B,)
+        uniq = list(first)
+        ids = torch.zeros(len(uniq), length, dtype=torch.long)  # (U, L) left-padded
+        mask = torch.zeros(len(uniq), length, dtype=torch.long)  # (U, L)
+        for i, s in enumerate(uniq):
             ids[i, length - len(s) :] = torch.tensor(s, dtype=torch.long)
             mask[i, length - len(s) :] = 1
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, L)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (U, L)
         want_input = any(r.return_logprob and r.logprob_start_len >= 0 and r.input_logprobs is None for r in reqs)
         cache = DynamicCache(config=self.model.config)
-        logits = self._forward(ids, mask, pos, cache, 0 if want_input else 1)  # (B, L or 1, V)
+        logits = self._forward(ids, mask, pos, cache, 0 if want_input else 1)  # (U, L or 1, V)
+        if len(uniq) < len(seqs):
+            cache.batch_select_indices(expand)
+            logits, mask, pos = logits[expand], mask[expand], pos[expand]  # (B, ...)
         if want_input:
             logp_all = torch.log_softmax(logits, dim=-1)  # (B, L, V)
             for i, r in enumerate(reqs):

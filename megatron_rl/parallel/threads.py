@@ -69,31 +69,38 @@ class ThreadShare:
     server: int
 
 
-def thread_share(cpus: int, ranks: int = 1, servers: int = 1) -> ThreadShare:
+def thread_share(cpus: int, ranks: int = 1, servers: int = 1, alternate: bool = False) -> ThreadShare:
     """Split `cpus` usable cores among `ranks` local trainer ranks and `servers` rollout servers.
 
     The servers get `cpus // (servers + 1)` each (what one server gets does not depend on the
     number of trainer ranks, so sampled tokens do not change with the trainer's layout); the ranks
     share the rest. Everyone gets at least one thread; with fewer cores than processes the share
-    is 1 and the processes take turns (training and generation alternate in a synchronous step).
+    is 1 and the processes take turns.
+
+    With `alternate` (the synchronous step, `trainer.max_staleness: 0`: the servers generate while
+    the trainer waits for them, the trainer computes while the servers are idle) the ranks share
+    all `cpus` instead of what the servers leave: the two sides never compute at the same time, and
+    the waiting side's OpenMP threads sleep (`thread_env`'s OMP_WAIT_POLICY=PASSIVE). On 2 cores
+    this made the tiny recipe's update + log-prob recompute 1.5x faster (benchmarks/README.md
+    "Where megatron-rl's step goes"). The servers' share is the same either way.
     """
     cpus, ranks, servers = max(1, cpus), max(1, ranks), max(0, servers)
     server = max(1, cpus // (servers + 1)) if servers else 0
-    rank = max(1, (cpus - server * servers) // ranks)
+    rank = max(1, (cpus if alternate else cpus - server * servers) // ranks)
     return ThreadShare(cpus=cpus, rank=rank, server=server)
 
 
-def run_thread_share(ranks: int, servers: int) -> ThreadShare:
+def run_thread_share(ranks: int, servers: int, alternate: bool = False) -> ThreadShare:
     """`thread_share` of this process's usable cores among `ranks` local ranks and `servers` servers."""
-    return thread_share(usable_cpus(), ranks, servers)
+    return thread_share(usable_cpus(), ranks, servers, alternate)
 
 
-def size_run_threads(ranks: int, servers: int, trainer_threads: int = 0) -> ThreadShare:
+def size_run_threads(ranks: int, servers: int, trainer_threads: int = 0, alternate: bool = False) -> ThreadShare:
     """At the start of `megatron-rl train`, before torch is imported: record the user's
     OMP_NUM_THREADS (`USER_OMP_ENV`) and set this process's environment (inherited by the local
     ranks and the reward workers) to the ranks' share, with passive OpenMP waiting. A process
     started by the local launcher (USER_OMP_ENV already set) keeps what it was given."""
-    share = run_thread_share(ranks, servers)
+    share = run_thread_share(ranks, servers, alternate)
     if USER_OMP_ENV in os.environ:
         return share
     os.environ[USER_OMP_ENV] = os.environ.get("OMP_NUM_THREADS", "")

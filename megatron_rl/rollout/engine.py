@@ -35,6 +35,21 @@ class RolloutEngine(abc.ABC):
     base_url: str
 
     # ---- generation -------------------------------------------------------------------------
+    supports_batch_generate: bool = False
+    """True when `generate_batch` sends several prompts in one call (SGLang's batch `/generate`)."""
+
+    def generate_batch(self, input_ids: Sequence[list[int]], sampling_params: Sequence[dict[str, Any]],
+                       rids: Sequence[str], return_logprob: bool = True, *,
+                       eos_token_ids: Iterable[int] | None = None, timeout_s: float | None = None) -> list:
+        """`generate` for K prompts in one call: entry k is `input_ids[k]` with `sampling_params[k]`
+        and request id `rids[k]`; K `GenerateResult`s in that order. Only where
+        `supports_batch_generate`.
+
+        Raises:
+            NotImplementedError: this engine has no batch call.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no batch generate")
+
     @abc.abstractmethod
     def generate(self, input_ids: list[int], sampling_params: dict[str, Any], rid: str, return_logprob: bool = True,
                  *, eos_token_ids: Iterable[int] | None = None, timeout_s: float | None = None):

@@ -1,9 +1,11 @@
 """Rollout manager: prompts -> groups of scored responses (DESIGN.md steps 2-4).
 
-Only the controller (trainer global rank 0) uses it. Each response is its own `/generate`
-request with its own request id and `sampling_seed` derived from (run seed, step, generation
-batch, prompt index, response index); results are ordered by (generation batch, prompt index,
-response index), never by arrival.
+Only the controller (trainer global rank 0) uses it. Each response has its own request id and
+`sampling_seed` derived from (run seed, step, generation batch, prompt index, response index);
+results are ordered by (generation batch, prompt index, response index), never by arrival. When
+every engine takes SGLang's batch `/generate` (`RolloutEngine.supports_batch_generate`), the `n`
+responses of a prompt go out as one call (one entry per response: its rid, seed and parameters,
+so nothing sampled changes); otherwise one call per response (vLLM's completions API).
 
 Live weight updates (ALGORITHMS.md section 8): a request aborted by a pause of the engines
 (`rollout.pause_mode: abort`) or as too stale before one is resubmitted once the engines continue,
@@ -22,7 +24,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
@@ -226,15 +228,43 @@ class RolloutManager:
         futures = []
         for i, row in enumerate(rows):
             ids = self.prompt_ids(row)
-            for j in range(n):
-                params = dict(sampling_params)
-                params["max_new_tokens"] = max_new
-                params["sampling_seed"] = derive_seed(*seed_parts, i, j)
-                futures.append(self._executor.submit(self._generate_one, i * n + j, ids, params, request_id(tag, i, j, n)))
+            params = [dict(sampling_params, max_new_tokens=max_new, sampling_seed=derive_seed(*seed_parts, i, j))
+                      for j in range(n)]
+            for f in self._submit_row(i, n, ids, params, [request_id(tag, i, j, n) for j in range(n)]):
+                futures.append(f)
                 if on_response is not None:
-                    futures[-1].add_done_callback(lambda f, i=i: on_response(i))
+                    f.add_done_callback(lambda f, i=i: on_response(i))
         results = [f.result() for f in futures]
         return [results[i * n : (i + 1) * n] for i in range(len(rows))]
+
+    def _batch_calls(self) -> bool:
+        """Whether every engine takes a batch `/generate` (one call per group)."""
+        return bool(self.clients) and all(getattr(c, "supports_batch_generate", False) for c in self.clients)
+
+    def _submit_row(self, i: int, n: int, ids: list[int], params: list[dict], rids: list[str]) -> list[Future]:
+        """Start the `n` responses of prompt `i`; one future per response (in order). With batch
+        calls the group is one task on the pool (one `/generate` to the server picked for prompt `i`)
+        whose results are fanned out to the `n` futures; otherwise one task per response (the server
+        picked for response `i * n + j`)."""
+        if n == 1 or not self._batch_calls():
+            return [self._executor.submit(self._generate_one, i * n + j, ids, params[j], rids[j]) for j in range(n)]
+        group = self._executor.submit(self.generate_batch_ids, [(ids, p, r) for p, r in zip(params, rids)], i)
+        outs: list[Future] = [Future() for _ in range(n)]
+
+        def fan_out(f: Future) -> None:
+            if f.cancelled():
+                for o in outs:
+                    o.cancel()
+                return
+            exc = f.exception()
+            for j, o in enumerate(outs):
+                if exc is not None:
+                    o.set_exception(exc)
+                else:
+                    o.set_result(f.result()[j])
+
+        group.add_done_callback(fan_out)
+        return outs
 
     def _post_one(self, key: int, ids: list[int], params: dict, rid: str):
         """One `/generate` on the server picked for `key`; retried on a live server when it got no
@@ -253,6 +283,25 @@ class RolloutManager:
                 logger.info("retrying request %s (attempt %d)", rid, attempt + 2)
         raise RolloutServerError(f"request {rid} got no answer from any rollout server")
 
+    def _post(self, key: int, subs: list[tuple[list[int], dict, str]]) -> list:
+        """`subs` ((ids, params, rid) each) as one `/generate`: `_post_one` for one entry, else one
+        batch call on the server picked for `key`, retried like `_post_one` (same rids and seeds)."""
+        from megatron_rl.errors import RolloutServerError
+
+        if len(subs) == 1:
+            return [self._post_one(key, *subs[0])]
+        for attempt in range(2 * len(self.clients) + 2):
+            index, epoch = self.fleet.pick(key)
+            try:
+                return self.clients[index].generate_batch([s[0] for s in subs], [s[1] for s in subs],
+                                                          [s[2] for s in subs], eos_token_ids=self.eos_token_ids)
+            except RolloutServerError as e:
+                if e.status_code is not None:
+                    raise
+                self.fleet.report_failure(index, epoch, e)
+                logger.info("retrying requests %s.. (%d, attempt %d)", subs[0][2], len(subs), attempt + 2)
+        raise RolloutServerError(f"requests {subs[0][2]}.. ({len(subs)}) got no answer from any rollout server")
+
     def generate_ids(self, ids: list[int], params: dict, rid: str, key: int = 0):
         """One response to the prompt `ids` ([prompt length] token ids) with SGLang `params`
         (`max_new_tokens` and `sampling_seed` included) as a `GenerateResult` whose `version_spans`
@@ -264,42 +313,73 @@ class RolloutManager:
         Raises:
             RolloutServerError: no server answered, or one answered with an HTTP error.
         """
-        done = None  # what earlier attempts made and keep (partial rollout)
+        return self.generate_batch_ids([(ids, params, rid)], key)[0]
+
+    def generate_batch_ids(self, items: Sequence[tuple[list[int], dict, str]], key: int = 0) -> list:
+        """`generate_ids` for several (ids, params, rid) entries at once: every attempt of the
+        entries still going is one `/generate` (a batch call for more than one entry, on the server
+        picked for `key`); results in the order of `items`. Same resubmission rules per entry.
+
+        Raises:
+            RolloutServerError: as `generate_ids`.
+        """
+        k = len(items)
+        done: list = [None] * k  # what earlier attempts made and keep (partial rollout)
+        out: list = [None] * k
         attempt = 0
-        while True:
-            sub_rid, sub_ids, sub_params = rid, ids, params
-            if attempt:
-                sub_rid = f"{rid}-a{attempt}"
-                if done is not None:
-                    sub_ids, sub_params = self._continuation(ids, params, done, attempt)
+        active = list(range(k))
+        while active:
+            subs = []
+            for e in active:
+                ids, params, rid = items[e]
+                sub = (ids, params, rid)
+                if attempt:
+                    sub = (ids, params, f"{rid}-a{attempt}")
+                    if done[e] is not None:
+                        sub = (*self._continuation(ids, params, done[e], attempt), sub[2])
+                subs.append(sub)
             gate = self.gate
             epoch, submitted = gate.pause_epoch, gate.version
-            oldest = min((v for v, _ in done.version_spans), default=submitted) if done is not None else submitted
-            gate.register(sub_rid, oldest)
+            for e, sub in zip(active, subs):
+                oldest = min((v for v, _ in done[e].version_spans), default=submitted) if done[e] is not None \
+                    else submitted
+                gate.register(sub[2], oldest)
+            stale = {}
             try:
-                res = self._post_one(key, sub_ids, sub_params, sub_rid)
+                answers = self._post(key, subs)
             finally:
-                gate.unregister(sub_rid)
-                stale = gate.pop_stale(sub_rid)  # marked while in flight (whatever the answer)
-            spans = spans_of(res.weight_versions, res.weight_version, submitted=submitted, published=gate.version)
-            res = dataclasses.replace(res, version_spans=tuple(spans), resubmissions=attempt)
-            if done is not None:
-                res = self._joined(done, res)
-            if res.finish_type != "abort":
-                return res
-            if self._own_abort(rid) or res.abort_status_code is not None or not (
-                    stale or gate.pause_epoch != epoch or gate.paused):
-                return res  # ours (dropped with its group) or a failure (the group is dropped)
-            if not gate.wait_resumed(self.pause_timeout_s):
-                logger.warning("request %s: the engines did not continue within %.0f s after a pause",
-                               rid, self.pause_timeout_s)
-                return res
-            keep = self.partial_rollout and not stale and res.output_ids
-            done = res if keep else None
+                for e, sub in zip(active, subs):
+                    gate.unregister(sub[2])
+                    stale[e] = gate.pop_stale(sub[2])  # marked while in flight (whatever the answer)
+            again = []
+            for e, res in zip(active, answers):
+                spans = spans_of(res.weight_versions, res.weight_version, submitted=submitted, published=gate.version)
+                res = dataclasses.replace(res, version_spans=tuple(spans), resubmissions=attempt)
+                if done[e] is not None:
+                    res = self._joined(done[e], res)
+                out[e] = res
+                if res.finish_type != "abort":
+                    continue
+                if self._own_abort(items[e][2]) or res.abort_status_code is not None or not (
+                        stale[e] or gate.pause_epoch != epoch or gate.paused):
+                    continue  # ours (dropped with its group) or a failure (the group is dropped)
+                again.append(e)
+            if again and not gate.wait_resumed(self.pause_timeout_s):
+                logger.warning("requests %s: the engines did not continue within %.0f s after a pause",
+                               [items[e][2] for e in again], self.pause_timeout_s)
+                break
+            active = []
+            for e in again:
+                res = out[e]
+                keep = self.partial_rollout and not stale[e] and res.output_ids
+                done[e] = res if keep else None
+                if done[e] is not None and len(done[e].output_ids) >= int(items[e][1]["max_new_tokens"]):
+                    out[e] = dataclasses.replace(done[e], finish_type="length", stop_reason="length",
+                                                 abort_message=None, matched_stop=None)
+                else:
+                    active.append(e)
             attempt += 1
-            if done is not None and len(done.output_ids) >= int(params["max_new_tokens"]):
-                return dataclasses.replace(done, finish_type="length", stop_reason="length", abort_message=None,
-                                           matched_stop=None)
+        return out
 
     def _generate_one(self, key: int, ids: list[int], params: dict, rid: str):
         return self.generate_ids(ids, params, rid, key)
@@ -405,10 +485,10 @@ class RolloutManager:
         futures: dict = {}
         for i, row in enumerate(rows):
             ids = self.prompt_ids(row)
-            for j in range(n):
-                params = dict(sampling_params, max_new_tokens=max_new,
-                              sampling_seed=derive_seed(self.seed, step, gen_batch, i, j))
-                futures[self._executor.submit(self._generate_one, i * n + j, ids, params, request_id(tag, i, j, n))] = (i, j)
+            params = [dict(sampling_params, max_new_tokens=max_new,
+                           sampling_seed=derive_seed(self.seed, step, gen_batch, i, j)) for j in range(n)]
+            for j, f in enumerate(self._submit_row(i, n, ids, params, [request_id(tag, i, j, n) for j in range(n)])):
+                futures[f] = (i, j)
         results: list[list] = [[None] * n for _ in rows]
         remaining = [n] * len(rows)
         finished: dict[int, Group] = {}

@@ -120,6 +120,7 @@ def forward_logits(
     *,
     position_ids: torch.Tensor | None = None,
     attention_mask: torch.Tensor | None = None,
+    packed_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run a GPTModel (one full pipeline, pre and post process) and return its logits shard.
 
@@ -133,6 +134,8 @@ def forward_logits(
         position_ids: [B, S] long; default ``arange(S)`` for every row.
         attention_mask: optional [B, S] (bool or int, 1/True = real token); only checked to be
             right-padding, never passed down.
+        packed_mask: optional [B, 1, S, S] bool, True = masked: packed rows
+            (`trainer.batch.pack_sequences`), passed to the model in place of its causal mask.
 
     Returns:
         logits: [B, S, V_padded / tp] in the model's compute dtype; position s scores token s+1.
@@ -154,4 +157,6 @@ def forward_logits(
             raise ValueError("attention_mask is not right-padded (a real token follows a pad)")
     if position_ids is None:
         position_ids = torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(batch, seq)  # [B, S]
-    return model(input_ids, position_ids, None)  # [B, S, V/tp]
+    if packed_mask is not None and tuple(packed_mask.shape) != (batch, 1, seq, seq):
+        raise ValueError(f"packed_mask must be [B, 1, S, S] = {(batch, 1, seq, seq)}, got {tuple(packed_mask.shape)}")
+    return model(input_ids, position_ids, packed_mask)  # [B, S, V/tp]

@@ -21,7 +21,7 @@ from megatron_rl.algorithms.options import (POLICY_LOSS_OPTIONS, ResolvedCorrect
                                             resolve_rollout_correction)
 from megatron_rl.algorithms.rollout_correction import rollout_correction
 from megatron_rl.config.schema import ActorConfig, RolloutCorrectionConfig
-from megatron_rl.trainer.batch import TrainBatch
+from megatron_rl.trainer.batch import TrainBatch, pack_sequences
 from megatron_rl.trainer.logprobs import forward_logits, token_logprobs_and_entropy
 
 logger = logging.getLogger(__name__)
@@ -59,6 +59,8 @@ class PolicyTrainer:
             read here (see `micro_batch_size`).
         rollout_correction: the off-policy correction (`config.validate.rollout_correction_of(cfg)`);
             None = the one `actor.tis` alone resolves to (token_tis with `actor.tis.clip`, or none).
+        sequence_packing: run every micro-batch packed (`trainer.batch.pack_sequences`,
+            `actor.sequence_packing`); needs one pipeline stage and the local layer spec.
         max_response_length: `data.max_response_length`, the default `loss_scale_factor` of
             seq-mean-token-sum-norm.
         tp_group: tensor-parallel group for the vocab-parallel log-probs (None at TP=1).
@@ -83,7 +85,10 @@ class PolicyTrainer:
     def __init__(self, model, optimizer, scheduler, *, vocab_size: int, micro_batch_size: int,
                  actor: ActorConfig, max_response_length: int | None = None, tp_group=None, ref_model=None,
                  dp_group=None, pp_group=None, max_tokens_per_micro_batch: int | None = None,
-                 rollout_correction: ResolvedCorrection | None = None) -> None:
+                 rollout_correction: ResolvedCorrection | None = None, sequence_packing: bool = False) -> None:
+        if sequence_packing and pp_group is not None:
+            raise ValueError("actor.sequence_packing needs trainer.pipeline_model_parallel_size 1")
+        self.sequence_packing = sequence_packing
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -145,9 +150,30 @@ class PolicyTrainer:
         cut to their own padded width (`TrainBatch.token_budget_micro_batches`).
         """
         if self.max_tokens_per_micro_batch is not None:
-            return share.token_budget_micro_batches(self.max_tokens_per_micro_batch)
-        step, n = self.micro_batch_size, len(share)
-        return [(list(range(a, min(a + step, n))), share.slice(a, min(a + step, n))) for a in range(0, n, step)]
+            plan = share.token_budget_micro_batches(self.max_tokens_per_micro_batch)
+        else:
+            step, n = self.micro_batch_size, len(share)
+            plan = [(list(range(a, min(a + step, n))), share.slice(a, min(a + step, n))) for a in range(0, n, step)]
+        if self.sequence_packing:
+            for _, mb in plan:
+                mb.packing = pack_sequences(mb)
+        return plan
+
+    @staticmethod
+    def _forward(m, mb: TrainBatch) -> torch.Tensor:
+        """The model's logits for a micro-batch: [B, S, V/tp], or [R, L, V/tp] for packed rows."""
+        if mb.packing is None:
+            return forward_logits(m, mb.input_ids, position_ids=mb.position_ids)
+        pk = mb.packing
+        return forward_logits(m, pk.input_ids, position_ids=pk.position_ids, packed_mask=pk.attention_mask)
+
+    def _token_logprobs(self, mb: TrainBatch, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probs, entropy) of `mb`'s labels, each [B, S] float32, from `_forward`'s output."""
+        labels = mb.labels if mb.packing is None else mb.packing.labels
+        lp, ent = token_logprobs_and_entropy(output, labels, vocab_size=self.vocab_size, tp_group=self.tp_group)
+        if mb.packing is not None:
+            lp, ent = mb.packing.unpack(lp), mb.packing.unpack(ent)
+        return lp, ent
 
     def _minis(self, n: int, mini_batch_sequences: int | None) -> list[tuple[int, int]]:
         step = mini_batch_sequences or n
@@ -207,11 +233,10 @@ class PolicyTrainer:
 
         def forward_step(data_iterator, m):
             mb = next(data_iterator)
-            logits = forward_logits(m, mb.input_ids, position_ids=mb.position_ids)
+            logits = self._forward(m, mb)
 
             def loss_func(output):
-                lp, _ = token_logprobs_and_entropy(output, mb.labels, vocab_size=self.vocab_size,
-                                                   tp_group=self.tp_group)
+                lp, _ = self._token_logprobs(mb, output)
                 return torch.zeros((), dtype=torch.float32), torch.tensor(0, dtype=torch.int), {"logprobs": lp}
 
             return logits, loss_func
@@ -256,8 +281,7 @@ class PolicyTrainer:
 
     # ---- the update --------------------------------------------------------------------------
     def _loss_func(self, mb: TrainBatch, output: torch.Tensor):
-        logprobs, entropy = token_logprobs_and_entropy(output, mb.labels, vocab_size=self.vocab_size,
-                                                       tp_group=self.tp_group)
+        logprobs, entropy = self._token_logprobs(mb, output)
         mask, weights, sums = mb.loss_mask, None, {}
         if self.correction.mode != "none":  # section 8: weights and rejection from prox vs behav log-probs
             corr = rollout_correction(mb.old_logprobs, mb.rollout_logprobs, mask, self.correction.mode,
@@ -305,7 +329,7 @@ class PolicyTrainer:
 
         def forward_step(data_iterator, m):
             mb = next(data_iterator)
-            return forward_logits(m, mb.input_ids, position_ids=mb.position_ids), partial(self._loss_func, mb)
+            return self._forward(m, mb), partial(self._loss_func, mb)
 
         return self._schedule()(
             forward_step_func=forward_step, data_iterator=iter(mbs), model=self.model,

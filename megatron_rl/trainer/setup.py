@@ -137,7 +137,8 @@ def _init_parallel(cfg: Config, stack: contextlib.ExitStack):
 
     ranks = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.trainer.nproc_per_node))
     servers = 0 if cfg.rollout.server_urls else cfg.rollout.num_servers
-    apply_torch_threads(cfg.trainer.num_threads or user_omp_threads() or run_thread_share(ranks, servers).rank)
+    apply_torch_threads(cfg.trainer.num_threads or user_omp_threads() or run_thread_share(ranks, servers, cfg.trainer.max_staleness == 0).rank)
+    logger.info("torch threads %d (OMP_WAIT_POLICY=%s)", torch.get_num_threads(), os.environ.get("OMP_WAIT_POLICY"))
     enable_cpu_compat()
     t = cfg.trainer
     layout = dict(
@@ -221,12 +222,21 @@ def _build_policy(run: Run) -> None:
     run.ddp_model, run.optimizer, run.scheduler = tm.model, tm.optimizer, tm.scheduler
     if a.use_kl_loss:
         run.ref_model = [_build_model(run, tf_config, trainable=False)]
+    if a.sequence_packing and cfg.trainer.transformer_impl == "auto":
+        from megatron_rl.models.builder import transformer_engine_usable
+
+        if transformer_engine_usable():
+            from megatron_rl.errors import ConfigError
+
+            raise ConfigError("actor.sequence_packing: true runs on the local layer spec, but trainer.transformer_impl "
+                              "auto picks Transformer Engine here: set trainer.transformer_impl: local (or packing off)")
     run.policy = PolicyTrainer(
         run.ddp_model, run.optimizer, run.scheduler, vocab_size=spec.vocab_size, micro_batch_size=a.ppo_micro_batch_size,
         tp_group=pgs.tp if t.tensor_model_parallel_size > 1 else None, ref_model=run.ref_model,
         dp_group=pgs.dp_cp if pgs.dp_size * pgs.cp_size > 1 else None,
         pp_group=pgs.pp if pgs.pp_size > 1 else None, max_tokens_per_micro_batch=a.token_budget,
         actor=a, max_response_length=cfg.data.max_response_length, rollout_correction=rollout_correction_of(cfg),
+        sequence_packing=a.sequence_packing,
     )
 
 

@@ -4,6 +4,8 @@
 - ALGORITHMS.md 6: a mini-batch's gradient and loss do not change when it is split into 1, 2 or
   4 micro-batches, or by a token budget (`actor.max_tokens_per_micro_batch`) into micro-batches of
   varying rows and widths, for all four aggregation modes (the normaliser is global).
+- `actor.sequence_packing`: packed micro-batches give the unpacked log-probs, loss and gradient up
+  to float32 rounding, and the recompute stays exactly on-policy.
 """
 
 import pytest
@@ -24,7 +26,7 @@ def _settings(mode: str) -> ActorConfig:
     )
 
 
-def _trainer(mode: str, micro_batch_size: int, max_tokens: int | None = None):
+def _trainer(mode: str, micro_batch_size: int, max_tokens: int | None = None, packing: bool = False):
     from megatron_rl.models.builder import build_model, wrap_ddp_and_optimizer
     from megatron_rl.models.hf_config import build_transformer_config
     from megatron_rl.models.hf_weights import load_hf_weights
@@ -37,7 +39,7 @@ def _trainer(mode: str, micro_batch_size: int, max_tokens: int | None = None):
     tm = wrap_ddp_and_optimizer(model, tf_config, lr=1e-3, clip_grad=0.0)
     trainer = PolicyTrainer(tm.model, tm.optimizer, tm.scheduler, vocab_size=hf_config["vocab_size"],
                             micro_batch_size=micro_batch_size, actor=_settings(mode),
-                            max_tokens_per_micro_batch=max_tokens)
+                            max_tokens_per_micro_batch=max_tokens, sequence_packing=packing)
     return trainer
 
 
@@ -117,3 +119,41 @@ def test_token_budget_smaller_than_a_sequence(megatron_world1):
     with pytest.raises(ValueError, match=r"actor.max_tokens_per_micro_batch \(10\) is smaller than one sequence: "
                                          r"row 2 has 11 tokens"):
         trainer.compute_logprobs(_batch())
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("micro", [4, 2])
+def test_sequence_packing_equals_padded(megatron_world1, mode, micro):
+    """Rows of 8, 4, 11 and 4 tokens packed (first-fit, longest first, width 2 x longest): the
+    log-probs, the loss and the gradient equal the padded run's up to float32 rounding (the
+    rotary angles of a packed row start further along; see trainer.batch.pack_sequences)."""
+    runs = {}
+    for packing in (False, True):
+        trainer = _trainer(mode, micro_batch_size=micro, packing=packing)
+        batch = _batch()
+        if packing:
+            plan = trainer._plan(batch)
+            assert all(mb.packing is not None for _, mb in plan)
+            if micro == 4:  # 11 + 8 + ... : two rows of at most 22 tokens -> [11, 8] [4, 4]
+                assert plan[0][1].packing.input_ids.shape == (2, 19)
+        lp = trainer.compute_logprobs(batch)
+        batch.old_logprobs = lp + 0.05  # off-policy: exercise the clip
+        out = trainer.accumulate_gradients(batch)
+        loss = sum(float(o["loss_num"]) for o in out) / sum(float(o["loss_count"]) for o in out)
+        params = [p for p in trainer.model[0].parameters() if p.requires_grad]
+        runs[packing] = (lp, loss, torch.cat([p.main_grad.detach().flatten().clone() for p in params]))
+    (lp0, loss0, g0), (lp1, loss1, g1) = runs[False], runs[True]
+    mask = _batch().loss_mask
+    assert (lp1 - lp0)[mask].abs().max() < 1e-4
+    assert not torch.equal(lp1[mask], torch.zeros_like(lp1[mask]))
+    assert loss1 == pytest.approx(loss0, rel=1e-4)
+    assert ((g1 - g0).norm() / g0.norm()) < 1e-4
+
+
+def test_sequence_packing_recompute_is_on_policy(megatron_world1):
+    """B23 with packing: the recompute and the first update run the same packed rows, ratio 1."""
+    trainer = _trainer("token-mean", micro_batch_size=4, packing=True)
+    batch = _batch()
+    batch.old_logprobs = trainer.compute_logprobs(batch, mini_batch_sequences=4)
+    history = trainer.update(batch, mini_batch_sequences=4)
+    assert history[0]["train/ppo_kl"] == 0.0 and history[0]["train/pg_clipfrac"] == 0.0

@@ -199,6 +199,21 @@ def test_same_seed_same_tokens_alone_and_in_a_batch(client, server):
     assert again.output_ids == alone.output_ids and again.output_logprobs == alone.output_logprobs
 
 
+def test_a_group_in_one_call_equals_its_responses_alone(client):
+    """The manager's group call (one batch /generate: the same prompt n times, one seed and rid
+    each): the prompt is prefilled once and its KV cache shared (engine/batching.py), yet every
+    response has exactly the tokens it gets alone; log-probs up to batched-matmul rounding."""
+    prompt = [4, 9, 16, 25, 36]
+    params = [{"max_new_tokens": 20, "temperature": 1.0, "sampling_seed": 500 + j} for j in range(6)]
+    group = client.generate_batch([prompt] * 6, params, [f"grp-{j}" for j in range(6)])
+    alone = [client.generate(prompt, p, rid=f"alone-{j}") for j, p in enumerate(params)]
+    assert [r.rid for r in group] == [f"grp-{j}" for j in range(6)]
+    assert [r.output_ids for r in group] == [r.output_ids for r in alone]
+    assert len({tuple(r.output_ids) for r in group}) > 1  # the seeds differ: not one response 6 times
+    for g, a in zip(group, alone):
+        torch.testing.assert_close(torch.tensor(g.output_logprobs), torch.tensor(a.output_logprobs), rtol=0, atol=1e-4)
+
+
 def test_greedy_equals_hf_generate(client, model_dir):
     from transformers import AutoModelForCausalLM
 
