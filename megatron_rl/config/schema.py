@@ -157,7 +157,8 @@ class RolloutConfig:
     startup_timeout_s: float = 180.0
     """How long to wait for an embedded server's /health."""
     max_concurrency: int = 256
-    """Requests in flight per server."""
+    """HTTP calls in flight (a call carries a group's `n` responses when the engine takes SGLang's
+    batch `/generate`, one response otherwise)."""
     api_key: Optional[str] = None
     """Bearer token for /generate (secret: never written to logs or saved configs)."""
     admin_api_key: Optional[str] = None

@@ -145,9 +145,9 @@ class PackedRows:
 def pack_sequences(mb: TrainBatch, *, width: int | None = None) -> PackedRows:
     """Pack a right-padded micro-batch's sequences several to a row (first-fit, longest first).
 
-    A row holds up to `width` tokens (default: twice the longest sequence, rounded up to
-    `mb.pad_multiple`; measured fastest on CPU, where the mask makes attention cost grow with the
-    row); rows are then cut to the longest fill. With the block-diagonal causal mask every token
+    A row holds up to `width` tokens (default: 1.5 x the longest sequence, rounded up to
+    `mb.pad_multiple`: the fastest of 1.2x, 1.3x, 1.5x and 2x on the tiny model on CPU, where the
+    mask makes the attention cost grow with the row); rows are then cut to the longest fill. With the block-diagonal causal mask every token
     sees exactly the tokens it sees unpacked. megatron-core's rotary embedding numbers positions
     0..L-1 along the packed row (it does not read `position_ids`), which changes no attention
     score in exact arithmetic (rotary scores depend only on the distance between two positions of
@@ -161,7 +161,7 @@ def pack_sequences(mb: TrainBatch, *, width: int | None = None) -> PackedRows:
         raise ValueError("sequence packing needs seq_lengths (build the batch with build_train_batch)")
     lengths = [max(int(x), 1) for x in mb.seq_lengths.tolist()]
     longest = max(lengths)
-    width = _round_up(width or 2 * longest, mb.pad_multiple)
+    width = _round_up(width or (3 * longest + 1) // 2, mb.pad_multiple)
     if width < longest:
         raise ValueError(f"packing width {width} < the longest sequence ({longest} tokens)")
     rows: list[list[int]] = []

@@ -124,7 +124,7 @@ def test_token_budget_smaller_than_a_sequence(megatron_world1):
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
 @pytest.mark.parametrize("micro", [4, 2])
 def test_sequence_packing_equals_padded(megatron_world1, mode, micro):
-    """Rows of 8, 4, 11 and 4 tokens packed (first-fit, longest first, width 2 x longest): the
+    """Rows of 8, 4, 11 and 4 tokens packed (first-fit, longest first, width 1.5 x longest): the
     log-probs, the loss and the gradient equal the padded run's up to float32 rounding (the
     rotary angles of a packed row start further along; see trainer.batch.pack_sequences)."""
     runs = {}
@@ -134,8 +134,8 @@ def test_sequence_packing_equals_padded(megatron_world1, mode, micro):
         if packing:
             plan = trainer._plan(batch)
             assert all(mb.packing is not None for _, mb in plan)
-            if micro == 4:  # 11 + 8 + ... : two rows of at most 22 tokens -> [11, 8] [4, 4]
-                assert plan[0][1].packing.input_ids.shape == (2, 19)
+            if micro == 4:  # rows of at most 17 tokens: [11, 4] [8, 4]
+                assert plan[0][1].packing.input_ids.shape == (2, 15)
         lp = trainer.compute_logprobs(batch)
         batch.old_logprobs = lp + 0.05  # off-policy: exercise the clip
         out = trainer.accumulate_gradients(batch)

@@ -37,14 +37,15 @@ def test_layout_by_hand():
     assert torch.equal(pk.unpack(pk.labels)[mb.loss_mask], mb.labels[mb.loss_mask])
 
 
-def test_default_width_is_twice_the_longest_and_gradients_flow_back():
-    pk = pack_sequences(_mb())  # width 10: all three in one row of 10
-    assert pk.input_ids.shape == (1, 10)
-    x = torch.arange(10.0, requires_grad=True)
-    pk.unpack(x.view(1, 10)).sum().backward()
-    # each packed position is read once by its own token; the 5 padding positions of the unpacked
-    # [3, 5] layout read position 0 again (their values are never trained)
-    assert x.grad.tolist() == [6.0] + [1.0] * 9
+def test_default_width_is_one_and_a_half_longest_and_gradients_flow_back():
+    pk = pack_sequences(_mb())  # width 8 (1.5 x 5, rounded up): rows [seq 0, seq 1] and [seq 2]
+    assert pk.input_ids.shape == (2, 8)
+    assert pk.input_ids[1, :2].tolist() == [31, 32]
+    x = torch.arange(16.0, requires_grad=True)
+    pk.unpack(x.view(2, 8)).sum().backward()
+    # each packed token is read once by its own position; the 5 padding positions of the unpacked
+    # [3, 5] layout read flat position 0 again (never trained); row 1's padding is read by no one
+    assert x.grad.tolist() == [6.0] + [1.0] * 9 + [0.0] * 6
     with pytest.raises(ValueError, match="packing width 4 < the longest sequence"):
         pack_sequences(_mb(), width=4)
 

@@ -23,6 +23,17 @@ def test_thread_share(cpus, ranks, servers, want):
     assert thread_share(cpus, ranks, servers) == want
 
 
+@pytest.mark.parametrize("cpus, ranks, servers, want", [
+    (2, 1, 2, ThreadShare(2, 2, 1)),      # the tiny grpo recipe: the trainer takes both cores in its phases
+    (2, 1, 1, ThreadShare(2, 2, 1)),
+    (8, 2, 1, ThreadShare(8, 4, 4)),      # the ranks share every core; the server's share is unchanged
+    (1, 1, 1, ThreadShare(1, 1, 1)),
+])
+def test_thread_share_synchronous_step_alternates(cpus, ranks, servers, want):
+    assert thread_share(cpus, ranks, servers, alternate=True) == want
+    assert thread_share(cpus, ranks, servers, alternate=True).server == thread_share(cpus, ranks, servers).server
+
+
 def test_server_share_independent_of_ranks():
     for cpus in range(1, 65):
         assert len({thread_share(cpus, r, 1).server for r in range(1, 9)}) == 1
