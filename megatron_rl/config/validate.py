@@ -108,6 +108,8 @@ def _check_packing(cfg: Config) -> None:
          "(packed micro-batches change shape between stages; use 1)"),
         (t.transformer_impl == "transformer_engine", "trainer.transformer_impl transformer_engine (the packed path "
          "needs the local layer spec: local, or auto without Transformer Engine)"),
+        (t.sequence_parallel, "trainer.sequence_parallel (it needs Transformer Engine; the packed path runs on the "
+         "local layer spec)"),
     ) if bad]
     if problems:
         raise ConfigError("actor.sequence_packing: true cannot run with " + "; ".join(problems))

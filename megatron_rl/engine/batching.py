@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from megatron_rl.engine.bodies import RequestError
-from megatron_rl.engine.sampling import SamplingParams, sample_token
+from megatron_rl.engine.sampling import SamplingParams, is_plain, sample_plain_rows, sample_token
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,8 @@ class Request:
     """``[version, start, end]`` over output token indices, one per version the tokens were sampled
     under, in order (SGLang 0.5.23's ``meta_info.weight_versions``)."""
     created_s: float = field(default_factory=time.monotonic)
+    stop_ids: frozenset[int] | None = None
+    """The ids that end this request (set by the engine on its first token)."""
 
     def note_token(self, version: str) -> None:
         """Count the token just appended to ``output_ids`` as sampled under ``version``."""
@@ -519,24 +521,43 @@ class GenerationEngine:
         return finished
 
     def _sample_step(self, b: _Batch, logits: torch.Tensor) -> tuple[list[tuple[Request, dict]], _Batch | None]:
-        """Sample one token per row of ``logits: [B, V] float32``; return the ended rows and the rest of ``b``."""
+        """Sample one token per row of ``logits: [B, V] float32``; return the ended rows and the rest of ``b``.
+
+        Rows whose parameters are plain (``sampling.is_plain``, no stop id masked) are drawn together
+        (``sample_plain_rows``); the others one by one (``sample_token``): the same token either way."""
         logp = torch.log_softmax(logits, dim=-1)  # (B, V) raw policy log-probs
         finished: list[tuple[Request, dict]] = []
-        keep: list[int] = []
+        tokens: dict[int, int] = {}
+        plain: list[int] = []
         for i, req in enumerate(b.reqs):
             p = req.params
             if len(req.output_ids) >= p.max_new_tokens:  # max_new_tokens == 0, or a retracted request at its limit
                 finished.append((req, {"type": "length", "length": p.max_new_tokens}))
                 continue
-            stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
-            token = sample_token(
-                logits[i], p, req.generator, masked=stop_ids if len(req.output_ids) < p.min_new_tokens else ()
-            )
+            masking = len(req.output_ids) < p.min_new_tokens and bool(self._stop_ids(req))
+            if is_plain(p) and not masking:
+                plain.append(i)
+            else:
+                tokens[i] = sample_token(logits[i], p, req.generator, masked=self._stop_ids(req) if masking else ())
+        if plain:
+            rows = torch.tensor(plain, dtype=torch.long)
+            drawn = sample_plain_rows(logits[rows], [b.reqs[i].params.temperature for i in plain],
+                                      [b.reqs[i].generator for i in plain])
+            tokens.update(zip(plain, drawn.tolist()))
+        order = sorted(tokens)
+        if order:
+            idx = torch.tensor(order, dtype=torch.long)
+            toks = torch.tensor([tokens[i] for i in order], dtype=torch.long)
+            b.next_input[idx, 0] = toks
+            chosen = logp[idx, toks].tolist()
+        keep: list[int] = []
+        for k, i in enumerate(order):
+            req, token = b.reqs[i], tokens[i]
+            p = req.params
             req.output_ids.append(token)
-            req.output_logprobs.append(float(logp[i, token]))
+            req.output_logprobs.append(chosen[k])
             req.note_token(self.weight_version)
-            b.next_input[i, 0] = token
-            if token in stop_ids:
+            if token in self._stop_ids(req):
                 finished.append((req, {"type": "stop", "matched": token}))
             elif len(req.output_ids) >= p.max_new_tokens:
                 finished.append((req, {"type": "length", "length": p.max_new_tokens}))
@@ -545,3 +566,10 @@ class GenerationEngine:
             else:
                 keep.append(i)
         return finished, self._compact(b, keep)
+
+    def _stop_ids(self, req: Request) -> frozenset[int]:
+        """The ids that end ``req``: its ``stop_token_ids`` plus the EOS ids unless ``ignore_eos``."""
+        if req.stop_ids is None:
+            p = req.params
+            req.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else frozenset(self.eos_token_ids))
+        return req.stop_ids

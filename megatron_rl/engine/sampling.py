@@ -25,7 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from megatron_rl.engine.bodies import RequestError, validation_text
 
-__all__ = ["SGLANG_SAMPLING_KEYS", "SamplingParams", "parse_sampling_params", "sample_token"]
+__all__ = ["SGLANG_SAMPLING_KEYS", "SamplingParams", "is_plain", "parse_sampling_params", "sample_plain_rows",
+           "sample_token"]
 
 #: Every key SGLang 0.5.23 accepts in ``sampling_params``, with its default. Unknown keys are a 400.
 SGLANG_SAMPLING_KEYS: dict[str, Any] = {
@@ -198,3 +199,22 @@ def sample_token(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator, 
     u = torch.rand((), generator=gen) * cum[-1]
     idx = min(int(torch.searchsorted(cum, u, right=True)), probs.numel() - 1)
     return int(order[idx])
+
+
+def is_plain(p: SamplingParams) -> bool:
+    """True when ``sample_token`` would take its unfiltered path for ``p`` (temperature > 0, no
+    top-k / top-p / min-p filter, no ``logit_bias``); the caller also checks that no stop id is
+    masked for the request at this token."""
+    return p.temperature > 0.0 and p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0 and not p.logit_bias
+
+
+def sample_plain_rows(logits: torch.Tensor, temperatures: list[float], gens: list[torch.Generator]) -> torch.Tensor:
+    """``sample_token`` for K rows that are all ``is_plain``, batched: ``logits: [K, V] float32``,
+    one temperature and one generator per row; returns ``[K]`` int64 token ids. Each row draws
+    exactly one uniform from its own generator and inverts the CDF in vocabulary order, the same
+    operations as ``sample_token``'s unfiltered path row by row (the same ids; a unit test checks
+    it), without a Python loop over the softmax, cumsum and search."""
+    temps = torch.tensor(temperatures, dtype=logits.dtype)[:, None]  # (K, 1)
+    cum = torch.cumsum(torch.softmax(logits / temps, dim=-1), dim=-1)  # (K, V)
+    u = torch.stack([torch.rand((), generator=g) for g in gens]) * cum[:, -1]  # (K,)
+    return torch.searchsorted(cum, u[:, None], right=True)[:, 0].clamp(max=logits.shape[-1] - 1)

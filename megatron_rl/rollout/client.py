@@ -42,6 +42,15 @@ class GenerateRequest:
     return_logprob: bool = True
 
 
+def _answered(error: RolloutServerError) -> RolloutServerError:
+    """A malformed or inconsistent ``/generate`` answer is an answer (HTTP 200), not a lost request:
+    marked with ``status_code`` 200 so that the rollout manager raises it at once instead of
+    resending the request as if the server had died."""
+    if error.status_code is None:
+        error.status_code = 200
+    return error
+
+
 KEEPALIVE_EXPIRY_S = 2.0
 """Idle seconds after which a pooled connection is dropped (below uvicorn's 5 s keep-alive timeout)."""
 
@@ -353,14 +362,17 @@ class RolloutClient(HTTPEngineClient):
             "return_logprob": return_logprob,
         }
         data = self.generate_raw(body, timeout_s=timeout_s)
-        if not isinstance(data, dict):
-            raise RolloutServerError(f"/generate answered a {type(data).__name__} for one prompt", body=data)
-        return GenerateResult.from_sglang(
-            data,
-            stop_token_ids=sampling_params.get("stop_token_ids") or (),
-            eos_token_ids=eos_token_ids,
-            return_logprob=return_logprob,
-        )
+        try:
+            if not isinstance(data, dict):
+                raise RolloutServerError(f"/generate answered a {type(data).__name__} for one prompt", body=data)
+            return GenerateResult.from_sglang(
+                data,
+                stop_token_ids=sampling_params.get("stop_token_ids") or (),
+                eos_token_ids=eos_token_ids,
+                return_logprob=return_logprob,
+            )
+        except RolloutServerError as e:
+            raise _answered(e) from None
 
     supports_batch_generate = True
 
@@ -382,7 +394,7 @@ class RolloutClient(HTTPEngineClient):
 
         Raises:
             RolloutServerError: HTTP error, timeout, or an answer that is no such list (or an
-                inconsistent entry, see ``GenerateResult``).
+                inconsistent entry, see ``GenerateResult``); a malformed answer has ``status_code`` 200.
             ValueError: lengths differ, an empty prompt, or ``n`` > 1 in an entry.
         """
         k = len(input_ids)
@@ -399,16 +411,20 @@ class RolloutClient(HTTPEngineClient):
             "return_logprob": return_logprob,
         }
         data = self.generate_raw(body, timeout_s=timeout_s)
-        if not isinstance(data, list) or len(data) != k:
-            raise RolloutServerError(f"/generate answered {type(data).__name__}"
-                                     f"{f' of {len(data)}' if isinstance(data, list) else ''} for a batch of {k}",
-                                     body=data)
-        out = [GenerateResult.from_sglang(d, stop_token_ids=sp.get("stop_token_ids") or (), eos_token_ids=eos_token_ids,
-                                          return_logprob=return_logprob) for d, sp in zip(data, sampling_params)]
-        got = [r.rid for r in out]
-        if got != list(rids):
-            raise RolloutServerError(f"/generate batch answer ids {got[:4]}... do not follow the rids {list(rids)[:4]}...",
-                                     body=data)
+        eos = None if eos_token_ids is None else list(eos_token_ids)  # read once per entry below
+        try:
+            if not isinstance(data, list) or len(data) != k:
+                raise RolloutServerError(f"/generate answered {type(data).__name__}"
+                                         f"{f' of {len(data)}' if isinstance(data, list) else ''} for a batch of {k}",
+                                         body=data)
+            out = [GenerateResult.from_sglang(d, stop_token_ids=sp.get("stop_token_ids") or (), eos_token_ids=eos,
+                                              return_logprob=return_logprob) for d, sp in zip(data, sampling_params)]
+            got = [r.rid for r in out]
+            if got != list(rids):
+                raise RolloutServerError(f"/generate batch answer ids {got[:4]}... do not follow the rids "
+                                         f"{list(rids)[:4]}...", body=data)
+        except RolloutServerError as e:
+            raise _answered(e) from None
         return out
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:

@@ -368,6 +368,7 @@ class RolloutManager:
                 logger.warning("requests %s: the engines did not continue within %.0f s after a pause",
                                [items[e][2] for e in again], self.pause_timeout_s)
                 break
+            again = [e for e in again if not self._own_abort(items[e][2])]  # aborted by us meanwhile: dropped
             active = []
             for e in again:
                 res = out[e]

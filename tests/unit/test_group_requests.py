@@ -174,3 +174,60 @@ def test_a_failed_group_call_fails_every_response_of_the_group():
         with pytest.raises(RolloutServerError, match="400"):
             f.result(timeout=10)
     m.close()
+
+
+def test_a_malformed_batch_answer_is_raised_at_once_not_resent():
+    """Breaker finding: an answer out of order (or of the wrong length) is an answer, not a lost
+    request: status 200 on the error, so the manager raises it at once instead of resending the
+    group 2 x servers + 2 times and reporting "no answer"."""
+    calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/generate":
+            calls.append(1)
+            rids = json.loads(request.content)["rid"]
+            return httpx.Response(200, json=[_answer(r, [5]) for r in reversed(rids)])
+        return httpx.Response(200, json={})
+
+    c = RolloutClient("http://mock", transport=httpx.MockTransport(handler), timeout_s=5)
+    with pytest.raises(RolloutServerError, match="do not follow the rids") as info:
+        c.generate_batch([[1], [1]], [{}, {}], ["x-0", "x-1"])
+    assert info.value.status_code == 200
+    m = RolloutManager([c], tokenizer=None, reward_pool=None, reward_fn="dapo_math", max_prompt_length=16,
+                       max_response_length=6)
+    calls.clear()
+    with pytest.raises(RolloutServerError, match="do not follow the rids"):
+        m.generate_batch_ids([([1], {"max_new_tokens": 2}, "g-0"), ([1], {"max_new_tokens": 2}, "g-1")])
+    assert calls == [1]
+    m.close()
+
+
+def test_an_eos_iterable_is_read_for_every_entry():
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json=[_answer(r, [5, 2]) for r in json.loads(request.content)["rid"]])
+
+    c = RolloutClient("http://mock", transport=httpx.MockTransport(handler), timeout_s=5)
+    out = c.generate_batch([[1]] * 3, [{"stop_token_ids": [2]}] * 3, ["a", "b", "c"], eos_token_ids=iter([2]))
+    assert [r.stop_reason for r in out] == ["eos"] * 3
+
+
+def test_an_own_abort_during_the_pause_drops_the_resubmission():
+    """Breaker finding: the over-sampling abort (`RolloutManager.abort` by rid prefix) lands while
+    the engines are paused; the entry aborted by the pause is not sent again afterwards."""
+    eng = FakeEngine(batch=True, abort_once={"s0-b0-p0-r1"})
+    m = _manager(eng)
+    eng.gate = m.gate
+    original = eng._one
+
+    def one(ids, sp, rid):
+        res = original(ids, sp, rid)
+        if res.finish_type == "abort":
+            with m._own_lock:  # what `abort` records first, before its /abort_request
+                m._own_aborts.add("s0-b0-")
+        return res
+
+    eng._one = one
+    res = m.generate_batch_ids([([5], p, f"s0-b0-p0-r{j}") for j, p in enumerate(_params(3))])
+    assert eng.calls == [["s0-b0-p0-r0", "s0-b0-p0-r1", "s0-b0-p0-r2"]]
+    assert [r.finish_type for r in res] == ["stop", "abort", "stop"]
+    m.close()

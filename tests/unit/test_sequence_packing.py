@@ -57,3 +57,9 @@ def test_config_alias_and_errors_name_the_keys():
                                           r"parallel_size 2 .*; trainer.transformer_impl transformer_engine"):
         load_config(None, base + ["actor.sequence_packing=true", "trainer.pipeline_model_parallel_size=2",
                                   "trainer.transformer_impl=transformer_engine"])
+
+
+def test_sequence_parallel_is_named():
+    with pytest.raises(ConfigError, match="trainer.sequence_parallel"):
+        load_config(None, ["model.path=/models/x", "actor.sequence_packing=true", "trainer.tensor_model_parallel_size=2",
+                           "trainer.sequence_parallel=true"])
