@@ -14,7 +14,8 @@ must stay dapo.yaml with vLLM engines (`test_dapo_vllm_is_dapo_with_vllm_engines
 dapo.yaml with `trainer.max_staleness: 1` and partial rollouts (`test_dapo_async_is_dapo_with_eta_1`). Changed since (issue 16's measurement): the
 tiny recipes set `rollout.pause_mode: in_place` (it acts only with `trainer.max_staleness` > 0).
 Changed since (issue 22): `actor.sequence_packing` (false) is new, and examples/tiny/grpo.yaml sets it,
-`actor.old_logprob_source: rollout` and `rollout.num_servers: 2` (the TRL comparison's recipe)."""
+`actor.old_logprob_source: rollout`, `rollout.num_servers: 2` and `trainer.nproc_per_node: 2` (the TRL
+comparison's recipe)."""
 
 import json
 from pathlib import Path
