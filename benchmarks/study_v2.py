@@ -79,8 +79,14 @@ from study import (ROOT, TINY, TRAIN_JSONL, RunSpec, _fmt, eval_point, latest_ch
 TEST_JSONL = TINY / "data" / "test.jsonl"
 BASE_EVAL = TINY / "base_model" / "eval_base.json"
 
+GRPO_AS_RUN = ["actor.old_logprob_source=recompute", "actor.sequence_packing=false", "rollout.num_servers=1",
+               "trainer.nproc_per_node=1"]
+"""examples/tiny/grpo.yaml as the study ran it: issue 22 (after the study) gave the recipe 2 servers, 2
+trainer ranks, the engine's log-probs and sequence packing for speed; a run added to the study keeps
+the settings its committed runs had."""
+
 ARMS: list[tuple[str, str, list[str]]] = [
-    ("grpo", "grpo", []),
+    ("grpo", "grpo", GRPO_AS_RUN),
     ("dapo", "dapo", ["data.gen_batch_size=12"]),
     ("da3po", "da3po", ["data.gen_batch_size=12", "algorithm.daa.factor=constant", "algorithm.daa.amplification=2.0",
                         "algorithm.daa.hard_threshold=0.5", "algorithm.daa.difficulty=group"]),
@@ -286,7 +292,7 @@ class Study:
         """The base model's evaluation (`eval_before` of a one-step run that saves nothing)."""
         ev = self.st["hard_eval" if which == "hard" else "overall_eval"]
         val = self.val_path if which == "hard" else TEST_JSONL
-        return [*self.shared(PILOT_SEEDS[0], run_dir), "trainer.total_training_steps=1", "trainer.save_last=false",
+        return [*self.shared(PILOT_SEEDS[0], run_dir), *GRPO_AS_RUN, "trainer.total_training_steps=1", "trainer.save_last=false",
                 "trainer.save_interval=0", f"data.val_files=[{val}]", f"eval.n={ev['n']}",
                 f"eval.max_problems={ev['max_problems']}", "eval.before_train=true", "eval.after_train=false"]
 
