@@ -24,7 +24,7 @@ from typing import Any, Literal
 import httpx
 
 from megatron_rl.errors import RolloutServerError
-from megatron_rl.rollout.engine import RolloutEngine
+from megatron_rl.rollout.engine import RolloutEngine, check_batch
 from megatron_rl.rollout.result import GenerateResult, StopReason, parse_weight_versions  # re-exported
 
 logger = logging.getLogger(__name__)
@@ -397,9 +397,8 @@ class RolloutClient(HTTPEngineClient):
                 inconsistent entry, see ``GenerateResult``); a malformed answer has ``status_code`` 200.
             ValueError: lengths differ, an empty prompt, or ``n`` > 1 in an entry.
         """
+        check_batch(input_ids, sampling_params, rids)
         k = len(input_ids)
-        if not (k == len(sampling_params) == len(rids)) or k == 0:
-            raise ValueError(f"generate_batch: {k} prompts, {len(sampling_params)} sampling_params, {len(rids)} rids")
         if any(not ids for ids in input_ids):
             raise ValueError("input_ids must not be empty")
         if any(int(sp.get("n", 1)) != 1 for sp in sampling_params):

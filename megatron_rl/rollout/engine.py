@@ -22,7 +22,18 @@ from typing import Any, Literal
 
 from megatron_rl.registry import Registry
 
-__all__ = ["EngineBackend", "ENGINE_BACKENDS", "RolloutEngine", "engine_backend"]
+__all__ = ["EngineBackend", "ENGINE_BACKENDS", "RolloutEngine", "check_batch", "engine_backend"]
+
+
+def check_batch(input_ids: Sequence[list[int]], sampling_params: Sequence[dict[str, Any]], rids: Sequence[str]) -> None:
+    """The arguments of `RolloutEngine.generate_batch`: K prompts, K sampling_params, K rids, K > 0.
+
+    Raises:
+        ValueError: the lengths differ or are 0.
+    """
+    k = len(input_ids)
+    if not (k == len(sampling_params) == len(rids)) or k == 0:
+        raise ValueError(f"generate_batch: {k} prompts, {len(sampling_params)} sampling_params, {len(rids)} rids")
 
 
 class RolloutEngine(abc.ABC):
@@ -36,19 +47,29 @@ class RolloutEngine(abc.ABC):
 
     # ---- generation -------------------------------------------------------------------------
     supports_batch_generate: bool = False
-    """True when `generate_batch` sends several prompts in one call (SGLang's batch `/generate`)."""
+    """True when `generate_batch` sends several prompts in one call (SGLang's batch `/generate`);
+    the rollout manager groups a prompt's responses into one call only then."""
 
     def generate_batch(self, input_ids: Sequence[list[int]], sampling_params: Sequence[dict[str, Any]],
                        rids: Sequence[str], return_logprob: bool = True, *,
                        eos_token_ids: Iterable[int] | None = None, timeout_s: float | None = None) -> list:
-        """`generate` for K prompts in one call: entry k is `input_ids[k]` with `sampling_params[k]`
-        and request id `rids[k]`; K `GenerateResult`s in that order. Only where
-        `supports_batch_generate`.
+        """`generate` for K prompts: entry k is `input_ids[k]` with `sampling_params[k]` and request
+        id `rids[k]`; K `GenerateResult`s in that order. This default sends K `generate` calls side
+        by side (engines with a batch call override it and set `supports_batch_generate`).
 
         Raises:
-            NotImplementedError: this engine has no batch call.
+            ValueError: the three lists differ in length or are empty.
+            RolloutServerError: the first failed call's (after the others end).
         """
-        raise NotImplementedError(f"{type(self).__name__} has no batch generate")
+        from concurrent.futures import ThreadPoolExecutor
+
+        check_batch(input_ids, sampling_params, rids)
+        k = len(input_ids)
+        eos = None if eos_token_ids is None else list(eos_token_ids)
+        with ThreadPoolExecutor(max_workers=k, thread_name_prefix="generate-batch") as pool:
+            futures = [pool.submit(self.generate, ids, sp, rid, return_logprob, eos_token_ids=eos, timeout_s=timeout_s)
+                       for ids, sp, rid in zip(input_ids, sampling_params, rids)]
+            return [f.result() for f in futures]
 
     @abc.abstractmethod
     def generate(self, input_ids: list[int], sampling_params: dict[str, Any], rid: str, return_logprob: bool = True,

@@ -266,41 +266,28 @@ class RolloutManager:
         group.add_done_callback(fan_out)
         return outs
 
-    def _post_one(self, key: int, ids: list[int], params: dict, rid: str):
-        """One `/generate` on the server picked for `key`; retried on a live server when it got no
-        answer (the server died or hung; `ServerFleet.report_failure` recovers). An HTTP error answer
-        is raised at once. The retry repeats the same rid and `sampling_seed`."""
-        from megatron_rl.errors import RolloutServerError
-
-        for attempt in range(2 * len(self.clients) + 2):
-            index, epoch = self.fleet.pick(key)
-            try:
-                return self.clients[index].generate(ids, params, rid, eos_token_ids=self.eos_token_ids)
-            except RolloutServerError as e:
-                if e.status_code is not None:
-                    raise
-                self.fleet.report_failure(index, epoch, e)
-                logger.info("retrying request %s (attempt %d)", rid, attempt + 2)
-        raise RolloutServerError(f"request {rid} got no answer from any rollout server")
-
     def _post(self, key: int, subs: list[tuple[list[int], dict, str]]) -> list:
-        """`subs` ((ids, params, rid) each) as one `/generate`: `_post_one` for one entry, else one
-        batch call on the server picked for `key`, retried like `_post_one` (same rids and seeds)."""
+        """`subs` ((ids, params, rid) each) as one `/generate` on the server picked for `key` (a batch
+        call for more than one entry), retried on a live server when it got no answer (the server
+        died or hung; `ServerFleet.report_failure` recovers). An HTTP error answer, or a malformed
+        one, is raised at once. The retry repeats the same rids and `sampling_seed`s."""
         from megatron_rl.errors import RolloutServerError
 
-        if len(subs) == 1:
-            return [self._post_one(key, *subs[0])]
+        what = f"request {subs[0][2]}" if len(subs) == 1 else f"requests {subs[0][2]}.. ({len(subs)})"
         for attempt in range(2 * len(self.clients) + 2):
             index, epoch = self.fleet.pick(key)
+            client = self.clients[index]
             try:
-                return self.clients[index].generate_batch([s[0] for s in subs], [s[1] for s in subs],
-                                                          [s[2] for s in subs], eos_token_ids=self.eos_token_ids)
+                if len(subs) == 1:
+                    return [client.generate(*subs[0], eos_token_ids=self.eos_token_ids)]
+                return client.generate_batch([s[0] for s in subs], [s[1] for s in subs], [s[2] for s in subs],
+                                             eos_token_ids=self.eos_token_ids)
             except RolloutServerError as e:
                 if e.status_code is not None:
                     raise
                 self.fleet.report_failure(index, epoch, e)
-                logger.info("retrying requests %s.. (%d, attempt %d)", subs[0][2], len(subs), attempt + 2)
-        raise RolloutServerError(f"requests {subs[0][2]}.. ({len(subs)}) got no answer from any rollout server")
+                logger.info("retrying %s (attempt %d)", what, attempt + 2)
+        raise RolloutServerError(f"{what} got no answer from any rollout server")
 
     def generate_ids(self, ids: list[int], params: dict, rid: str, key: int = 0):
         """One response to the prompt `ids` ([prompt length] token ids) with SGLang `params`

@@ -231,3 +231,35 @@ def test_an_own_abort_during_the_pause_drops_the_resubmission():
     assert eng.calls == [["s0-b0-p0-r0", "s0-b0-p0-r1", "s0-b0-p0-r2"]]
     assert [r.finish_type for r in res] == ["stop", "abort", "stop"]
     m.close()
+
+
+def test_the_default_batch_call_is_one_generate_per_entry_side_by_side():
+    """`RolloutEngine.generate_batch` for engines without a batch call (vLLM's API): K `generate`
+    calls running at the same time, results in entry order, the first failure raised."""
+    from megatron_rl.rollout.engine import RolloutEngine
+
+    class OneAtATime(RolloutEngine):
+        def __init__(self) -> None:
+            self.started, self.lock, self.all_in = [], threading.Lock(), threading.Event()
+
+        def generate(self, input_ids, sampling_params, rid, return_logprob=True, *, eos_token_ids=None,
+                     timeout_s=None):
+            with self.lock:
+                self.started.append(rid)
+                if len(self.started) == 3:
+                    self.all_in.set()
+            assert self.all_in.wait(5), "the calls were not concurrent"
+            if rid == "bad":
+                raise RolloutServerError("/v1/completions answered 400", status_code=400)
+            return FakeEngine(batch=False)._one(input_ids, sampling_params, rid)
+
+    OneAtATime.__abstractmethods__ = frozenset()  # only generate matters here
+    eng = OneAtATime()
+    assert eng.supports_batch_generate is False
+    out = eng.generate_batch([[1], [2], [3]], _params(3), ["a", "b", "c"])
+    assert [r.rid for r in out] == ["a", "b", "c"] and [r.output_ids for r in out] == [[0, 2], [1, 2], [2, 2]]
+    eng = OneAtATime()
+    with pytest.raises(RolloutServerError, match="400"):
+        eng.generate_batch([[1], [2], [3]], _params(3), ["a", "bad", "c"])
+    with pytest.raises(ValueError, match="2 prompts, 1 sampling_params"):
+        eng.generate_batch([[1], [2]], _params(1), ["a", "b"])
