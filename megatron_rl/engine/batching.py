@@ -135,6 +135,7 @@ class GenerationEngine:
         self.on_forward = on_forward
         self.step_delay_s = step_delay_s
         self._stepping = False
+        self._steps_ended = 0  # steps (prefill or decode) ended so far; see _wait_boundary
         self._stopping = False
         self._seed_rng = random.Random(random_seed)
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -319,9 +320,14 @@ class GenerationEngine:
 
     def _wait_boundary(self) -> None:
         # Wait until the step running when the caller changed state is over; the scheduler
-        # applies the change (abort, retract, pause) before it starts another step.
+        # applies the change (abort, retract, pause) before it starts another step. "Over" is
+        # counted, not seen: the scheduler starts the next step as soon as one ends, so a waiter
+        # looking only for "no step running" could miss every boundary until the batch finished.
         with self._cv:
-            self._cv.wait_for(lambda: not self._stepping, timeout=600)
+            if not self._stepping:
+                return
+            running = self._steps_ended
+            self._cv.wait_for(lambda: not self._stepping or self._steps_ended != running, timeout=600)
 
     def _finish(self, req: Request, reason: dict[str, Any]) -> None:
         req.finish_reason = reason
@@ -414,6 +420,7 @@ class GenerationEngine:
                 ]
             with self._cv:
                 self._stepping = False
+                self._steps_ended += 1
                 self._prefilling = []
                 self._cv.notify_all()
             for req, reason in finished:

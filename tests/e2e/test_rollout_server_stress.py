@@ -17,6 +17,7 @@ cannot serve surfaces as an error within the client's timeout.
 from __future__ import annotations
 
 import random
+import sys
 import threading
 import time
 
@@ -217,4 +218,58 @@ def test_pause_abort_reaches_requests_being_prefilled(model_dir):
         assert engine.can_flush() == (True, "")
     finally:
         release.set()
+        engine.close()
+
+
+def test_abort_and_hold_return_while_other_requests_keep_decoding(model_dir):
+    """abort() and hold() wait for the step running when they were called, not for a step boundary
+    at which nothing runs: the scheduler starts the next step right after one ends, so a waiter that
+    only looked for "no step running" could be starved until the whole batch finished (seen in CI
+    as a stale abort blocking a live weight update for ~6 s while another request decoded)."""
+    from transformers import AutoModelForCausalLM
+
+    from megatron_rl.engine.batching import GenerationEngine, Request as _Request
+    from megatron_rl.engine.sampling import SamplingParams
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    engine = GenerationEngine(model, eos_token_ids=[EOS], step_delay_s=0.004)
+    done: dict[str, _Request] = {}
+    ended = threading.Event()
+    drops = [f"drop{i}" for i in range(6)]  # each abort is one more chance for a starved waiter
+
+    def on_done(req):
+        done[req.rid] = req
+        if len(done) == 1 + len(drops):
+            ended.set()
+
+    def request(rid: str, seed: int) -> _Request:
+        return _Request(rid=rid, prompt_ids=[5, 6, 7], params=SamplingParams(max_new_tokens=480, ignore_eos=True),
+                        return_logprob=False, logprob_start_len=-1, generator=engine.new_generator(seed),
+                        on_done=on_done)
+
+    # 480 tokens of 4+ ms: 'keep' decodes for >= 2 s; an abort or hold waits one step (~5 ms)
+    keep = request("keep", 100)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(0.05)  # the scheduler keeps the GIL from a step's end to the next one's start
+    try:
+        for k, rid in enumerate(["keep", *drops]):
+            engine.submit(keep if rid == "keep" else request(rid, k))
+        deadline = time.monotonic() + 10
+        while len(keep.output_ids) < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for call, arg in [(engine.abort, rid) for rid in drops] + [(engine.hold, None)]:
+            t = threading.Thread(target=call, args=() if arg is None else (arg,), daemon=True)
+            t0 = time.monotonic()
+            t.start()
+            t.join(1.0)
+            assert not t.is_alive(), f"{call.__name__}({arg}) still waiting after 1 s; 'keep' made {len(keep.output_ids)}"
+            assert "keep" not in done, f"{call.__name__}({arg}) returned once 'keep' ended ({time.monotonic() - t0:.1f} s)"
+        assert all(done[rid].finish_reason["type"] == "abort" for rid in drops)
+        made = len(keep.output_ids)
+        time.sleep(0.2)
+        assert len(keep.output_ids) == made  # held: no step runs
+        engine.release_hold()
+        assert ended.wait(30) and len(done["keep"].output_ids) == 480
+    finally:
+        sys.setswitchinterval(switch)
         engine.close()
