@@ -534,7 +534,10 @@ class WeightSyncConfig:
     slime's: one broadcast per tensor, no copy on the trainer side; the embedded server receives
     straight into its parameters) or `flattened_bucket` (the tensors of a bucket copied into one uint8
     tensor, one broadcast a bucket). The servers load the same weights either way
-    (`benchmarks/sync_throughput.py` measures both)."""
+    (`benchmarks/sync_throughput.py` measures both). Colocated (`rollout.colocate`), the same choice
+    for `/update_weights_from_tensor`: null hands over named tensors that are views of the trainer's
+    parameters (the engine's copy is the only one), `flattened_bucket` packs buckets into a shared
+    buffer first (docs/COLOCATE.md)."""
     check_checksums: bool = False
     """After every sync, compare a SHA-256 per tensor of each server's weights (`/get_weights_by_name`)
     with the trainer's; a mismatch fails the sync. Costs a full read-back of the weights over HTTP."""

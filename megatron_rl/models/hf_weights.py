@@ -312,6 +312,7 @@ def iter_hf_weights(
     hf_config: Mapping[str, Any],
     *,
     tp_group=None,
+    copy: bool = True,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield full HF-named tensors of this pipeline stage, in HF ``state_dict`` order.
 
@@ -321,12 +322,17 @@ def iter_hf_weights(
     checkpoints and SGLang's loader skip it). Padded vocabulary rows are trimmed.
 
     Every TP rank of ``tp_group`` must iterate (the shards are all-gathered); all of them get the
-    full tensors. Tensors are fresh copies in the parameters' dtype on the parameters' device.
+    full tensors. Tensors are in the parameters' dtype on the parameters' device: fresh copies, or
+    with ``copy=False`` views of the parameters wherever no conversion is needed (TP 1: every
+    tensor but q/k/v with more than one query group, whose rows are regrouped); a view reads what
+    the parameter holds when it is read, so the caller must be done with it before the next
+    optimizer step (the colocated hand-over, which the engines copy out of at once).
 
     Args:
         model: ``GPTModel`` (optionally DDP-wrapped).
         hf_config: the HF config the model was built from (vocabulary size).
         tp_group: tensor-parallel group; None or a group of size 1 means no gather.
+        copy: False: views where possible (above) instead of copies.
 
     Raises:
         ValueError: unsupported HF config, or a parameter whose TP partitioning cannot be
@@ -342,6 +348,9 @@ def iter_hf_weights(
     def gather(local: torch.Tensor, dim: int) -> list[torch.Tensor]:
         return [local] if tp_size == 1 else _all_gather(local, dim, tp_group)
 
+    def joined(parts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+        return parts[0] if len(parts) == 1 and not copy else torch.cat(parts, dim=dim)
+
     pending: list[tuple[str, torch.Tensor]] = []  # one unit (embedding, a layer, the head)
     for name, param, hf_names, kind in _model_entries(model):
         if kind == "vocab_tied_copy":
@@ -352,18 +361,18 @@ def iter_hf_weights(
             pending = []
         local = param.detach()
         if kind == "qkv":
-            full = torch.cat(gather(local, 0), dim=0)
-            outputs = _split_qkv(full, num_groups, head_dim)
+            outputs = _split_qkv(joined(gather(local, 0)), num_groups, head_dim)
         elif kind == "fc1":
             halves = [torch.chunk(shard, 2, dim=0) for shard in gather(local, 0)]
-            outputs = (torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves]))
+            outputs = (joined([h[0] for h in halves]), joined([h[1] for h in halves]))
         elif kind == "vocab":
-            outputs = (torch.cat(gather(local, 0), dim=0)[: spec.vocab_size],)
+            outputs = (joined(gather(local, 0))[: spec.vocab_size],)
         elif kind is _REPLICATED:
             outputs = (local,)
         else:
-            outputs = (torch.cat(gather(local, kind), dim=kind),)
-        pending.extend((hf_name, tensor.clone()) for hf_name, tensor in zip(hf_names, outputs, strict=True))
+            outputs = (joined(gather(local, kind), kind),)
+        pending.extend((hf_name, tensor.clone() if copy else tensor)
+                       for hf_name, tensor in zip(hf_names, outputs, strict=True))
     yield from _in_hf_order(pending)
 
 

@@ -294,7 +294,7 @@ def _sender_factory(cfg: Config, engines, colocation=None):
             from megatron_rl.weight_sync.colocated import ColocatedWeightSender
 
             return ColocatedWeightSender(clients, memory=colocation.engines, bucket_size_mib=ws.bucket_size_mib,
-                                         timeout_s=ws.timeout_s)
+                                         timeout_s=ws.timeout_s, load_format=ws.load_format)
         return WeightSyncSender(clients, master_address=ws.master_address,
                                 master_port=ws.master_port if group_name == "weight_update_group" else None,
                                 backend=ws.backend, group_name=group_name, bucket_size_mib=ws.bucket_size_mib,

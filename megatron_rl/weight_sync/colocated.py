@@ -27,7 +27,7 @@ import torch
 
 from megatron_rl.errors import RolloutServerError, WeightSyncError
 from megatron_rl.weight_sync.buckets import bucket_named_tensors, cast_named_tensors, server_weight_dtype
-from megatron_rl.weight_sync.ipc import ColocatedSender
+from megatron_rl.weight_sync.ipc import ColocatedSender, serialize_named_tensors
 
 if TYPE_CHECKING:
     from megatron_rl.rollout.client import RolloutClient
@@ -157,8 +157,20 @@ class EngineMemory:
 
 
 class ColocatedWeightSender:
-    """The publisher's sender in colocated mode: buckets of the trainer's HF-named tensors handed to
-    every engine by IPC handles (`/update_weights_from_tensor`, `load_format: flattened_bucket`).
+    """The publisher's sender in colocated mode: the trainer's HF-named tensors handed to every
+    engine by IPC handles (`/update_weights_from_tensor`), in one of SGLang's two formats:
+
+    - `load_format` None (`weight_sync.load_format: null`, the default in runs; verl's colocated
+      SGLang path): lists of `(name, tensor)` pairs, each tensor pickled as a handle to its own
+      storage. The publisher then hands over views of the trainer's parameters
+      (`iter_hf_weights(copy=False)`), so the engine's copy into its parameters is the only copy: on
+      CPU the first update moves each parameter storage into shared memory in place
+      (`UntypedStorage.share_memory_`; the parameters keep their values and every view of them), later
+      updates find it there; on GPU (untested here) the handles are CUDA IPC handles of the
+      parameters. Tensors that need a conversion (q/k/v regrouped, a dtype cast) are fresh and
+      copied once into a segment freed after the update.
+    - `flattened_bucket`: buckets packed into reused buffers (`buffers`, `keep_buffer`), two copies
+      (into the buffer, out of it).
 
     Args:
         clients: the engines' clients.
@@ -176,15 +188,23 @@ class ColocatedWeightSender:
             per-bucket latency but doubles the staging memory. Measured on CPU it gains nothing:
             the trainer's packing and the engine's copy are both bound by the same memory
             bandwidth (benchmarks/README.md, "colocated hand-over").
+        load_format: "flattened_bucket" (the default here) or None / "direct" (named tensors, above).
+
+    Raises:
+        ValueError: no clients, `buffers` not 1 or 2, or an unknown `load_format`.
     """
 
     def __init__(self, clients: list["RolloutClient"], *, memory: Optional[EngineMemory] = None,
                  bucket_size_mib: float = 512.0, timeout_s: float = 600.0, dtype: torch.dtype | None = None,
-                 keep_buffer: bool = False, buffers: int = 1) -> None:
+                 keep_buffer: bool = False, buffers: int = 1, load_format: Optional[str] = "flattened_bucket") -> None:
         if not clients:
             raise ValueError("ColocatedWeightSender needs at least one rollout client")
         if buffers not in (1, 2):
             raise ValueError(f"ColocatedWeightSender: buffers must be 1 or 2, got {buffers}")
+        if load_format not in (None, "direct", "flattened_bucket"):
+            raise ValueError(f"ColocatedWeightSender: load_format must be null, 'direct' or 'flattened_bucket', "
+                             f"got {load_format!r}")
+        self.load_format = load_format
         self.buffers = buffers
         self.clients = list(clients)
         self.memory = memory
@@ -195,6 +215,12 @@ class ColocatedWeightSender:
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.keep_buffer = keep_buffer
         self._kept: Optional[list[ColocatedSender]] = None
+
+    @property
+    def takes_views(self) -> bool:
+        """True when the tensors to send may be views of the trainer's parameters (named tensors:
+        the handles point at the parameters themselves); the publisher then skips its copies."""
+        return self.load_format != "flattened_bucket"
 
     @property
     def initialized(self) -> bool:
@@ -240,6 +266,8 @@ class ColocatedWeightSender:
         import threading
         from concurrent.futures import Future, ThreadPoolExecutor
 
+        if self.takes_views:
+            return self._send_named(named_tensors, weight_version)
         t_all = time.perf_counter()
         senders = self._kept or [ColocatedSender(int(self.bucket_size_mib * 2**20), self.device)
                                  for _ in range(self.buffers)]
@@ -250,11 +278,11 @@ class ColocatedWeightSender:
         inflight: list[Optional[Future]] = [None] * len(senders)
         failed = threading.Event()  # a bucket failed: the ones queued behind it are not sent
 
-        def post(payload: str, version: str | None) -> None:
+        def post(payloads: list[str], version: str | None) -> None:
             if failed.is_set():
                 raise WeightSyncError("not sent: an earlier bucket failed")
             try:
-                for c in self.clients:
+                for c, payload in zip(self.clients, payloads, strict=True):
                     c.update_weights_from_tensor([payload], load_format="flattened_bucket", flush_cache=False,
                                                  weight_version=version, timeout_s=self.timeout_s)
             except BaseException:
@@ -282,7 +310,7 @@ class ColocatedWeightSender:
                 slot = index % len(senders)
                 settle(slot)
                 tp = time.perf_counter()
-                payload = senders[slot].payload(current)
+                payload = senders[slot].payload(current, copies=len(self.clients))
                 stats["prepare_time_s"] += time.perf_counter() - tp
                 version = weight_version if following is None else None
                 if pool is None:
@@ -321,6 +349,48 @@ class ColocatedWeightSender:
         elapsed = time.perf_counter() - t_all
         stats["broadcast_time_s"] = max(elapsed - stats["prepare_time_s"], 0.0)
         logger.info("colocated hand-over: %d tensors, %.1f MiB in %.3f s", stats["num_tensors"],
+                    stats["bytes"] / 2**20, elapsed)
+        return stats
+
+    def _send_named(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: str | None) -> dict:
+        """`send` with named tensors (`load_format` None): chunks of at most `bucket_size_mib` of
+        referenced bytes, each serialised once (handles to the tensors' own storages, moved into
+        shared memory if they are not there yet) and posted to every engine in turn; the version
+        label goes with the last chunk. Same stats and errors as `send`."""
+        t_all = time.perf_counter()
+        stats = dict.fromkeys(("bytes", "num_buckets", "num_tensors", "broadcast_time_s", "prepare_time_s",
+                               "load_time_s"), 0.0)
+        try:
+            chunks = bucket_named_tensors(cast_named_tensors(named_tensors, self.dtype), self.bucket_size_mib)
+            current = next(chunks, None)
+            if current is None:
+                raise WeightSyncError("no tensors to send")
+            while current is not None:
+                following = next(chunks, None)
+                tp = time.perf_counter()
+                # one serialisation per engine: each takes one reference on the segments and each engine
+                # drops one (`ipc.serialize_named_tensors`); one payload read by two engines would let a
+                # parameter's segment be unlinked while the parameters still live in it
+                payloads = [serialize_named_tensors(current) for _ in self.clients]
+                stats["prepare_time_s"] += time.perf_counter() - tp
+                for c, payload in zip(self.clients, payloads, strict=True):
+                    c.update_weights_from_tensor([payload], load_format=self.load_format, flush_cache=False,
+                                                 weight_version=weight_version if following is None else None,
+                                                 timeout_s=self.timeout_s)
+                stats["bytes"] += sum(t.numel() * t.element_size() for _, t in current)
+                stats["num_buckets"] += 1
+                stats["num_tensors"] += len(current)
+                current = following
+        except RolloutServerError as e:
+            raise WeightSyncError(f"colocated weight hand-over failed: {e}") from e
+        except (ValueError, TypeError) as e:  # bad input from the tensor iterable
+            raise WeightSyncError(f"cannot hand the weights over: {type(e).__name__}: {e}") from e
+        finally:
+            if self.device != "cpu":  # pragma: no cover - GPU only
+                torch.cuda.ipc_collect()
+        elapsed = time.perf_counter() - t_all
+        stats["broadcast_time_s"] = max(elapsed - stats["prepare_time_s"], 0.0)
+        logger.info("colocated hand-over (named tensors): %d tensors, %.1f MiB in %.3f s", stats["num_tensors"],
                     stats["bytes"] / 2**20, elapsed)
         return stats
 

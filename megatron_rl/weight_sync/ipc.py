@@ -180,7 +180,12 @@ def serialize_named_tensors(obj: Any) -> str:
     """`obj` (a list of `(name, tensor)` or a flattened-bucket dict) as SGLang's
     `MultiprocessingSerializer.serialize(obj, output_str=True)`: ForkingPickler, base64. CPU
     tensors are moved into shared memory (`file_system` strategy) as a side effect; CUDA tensors
-    become IPC handles."""
+    become IPC handles.
+
+    A CPU payload is for ONE receiver: serialising takes one reference on each segment
+    (`_shared_incref`) and a receiver drops one when it opens it (`rebuild_storage_filename`), so a
+    payload read by two receivers drops one reference too many and the segment's name is unlinked
+    while its owner still uses it; serialise once per receiver."""
     from multiprocessing.reduction import ForkingPickler
 
     import torch.multiprocessing.reductions  # noqa: F401  (registers torch's reducers)
@@ -403,15 +408,20 @@ class ColocatedSender:
         self.device = torch.device(device)
         self._buffer: Optional[torch.Tensor] = None
 
-    def payload(self, named: Sequence[tuple[str, torch.Tensor]]) -> str:
-        """Pack `named` (one bucket) and return its serialised `flattened_bucket` payload. The
-        buffer is reused by the next call: post this payload and wait for the reply first."""
+    def payload(self, named: Sequence[tuple[str, torch.Tensor]], copies: int | None = None) -> str | list[str]:
+        """Pack `named` (one bucket) and return its serialised `flattened_bucket` payload, or with
+        `copies` that many serialisations of it, one per receiving engine (each serialisation takes
+        one reference on the shared segment and each receiver drops one: a payload must be read by
+        one engine only, or the segment is unlinked while the buffer is still reused). The buffer
+        is reused by the next call: post the payloads and wait for the replies first."""
         _, used = bucket_layout(named)
         if self._buffer is None or self._buffer.numel() < used:
             self._buffer = None
             self._buffer = _new_buffer(max(self.bucket_bytes, used), self.device)
-        metas = pack_bucket(named, self._buffer)
-        return serialize_named_tensors({"flattened_tensor": self._buffer[:used], "metadata": _wire_metadata(metas)})
+        obj = {"flattened_tensor": self._buffer[:used], "metadata": _wire_metadata(pack_bucket(named, self._buffer))}
+        if copies is None:
+            return serialize_named_tensors(obj)
+        return [serialize_named_tensors(obj) for _ in range(copies)]
 
     def after_bucket(self) -> None:
         """Release the IPC handles the receiver has let go of (CUDA: `torch.cuda.ipc_collect`)."""

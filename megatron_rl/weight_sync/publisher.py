@@ -311,8 +311,9 @@ class WeightPublisher:
         from megatron_rl.models.hf_weights import iter_hf_weights
 
         tp_group = self.pgs.tp if self.pgs.tp_size > 1 else None
+        views = bool(getattr(self.sender, "takes_views", False))  # the colocated named-tensor hand-over
         with torch.no_grad():
-            yield from iter_hf_weights(self.model, self.hf_config, tp_group=tp_group)
+            yield from iter_hf_weights(self.model, self.hf_config, tp_group=tp_group, copy=not views)
 
     def _take_part(self) -> None:
         """A TP peer of a stage source: iterate the stage's tensors (the gathers are collective)."""

@@ -118,3 +118,41 @@ def test_handles_from_outside_the_trainer_tree_are_rejected(server, tmp_path):
 def test_release_refused_while_busy_and_unknown_tags(server):
     r = httpx.post(f"{server.base_url}/release_memory_occupation", json={"tags": ["nope"]})
     assert r.status_code == 400
+
+
+@pytest.mark.parametrize("load_format", [None, "flattened_bucket"], ids=["named", "flattened_bucket"])
+def test_two_engines_three_updates_from_one_parameter_buffer(model_dir, server, load_format, tmp_path):
+    """The trainer's side as in a run: HF-named views of ONE flat parameter buffer (megatron's DDP
+    layout) handed to two engines, three updates with the buffer changed in place in between. Every
+    engine holds the new values after each update (read back by /get_weights_by_name); with named
+    tensors the buffer's own segment stays openable across updates (one serialisation per engine:
+    one payload read by two engines would unlink it after the first), and the bucket path reuses its
+    buffer across 3+ buckets per update the same way."""
+    from megatron_rl.weight_sync.colocated import ColocatedWeightSender
+
+    state = _state_dict(model_dir)
+    flat = torch.cat([t.reshape(-1) for t in state.values()])
+    views, off = [], 0
+    for name, t in state.items():
+        views.append((name, flat[off:off + t.numel()].view(t.shape)))
+        off += t.numel()
+    log = tmp_path / "second.log"
+    with launch_rollout_server(model_dir, log_path=log, startup_timeout_s=180,
+                               extra_args=["--dtype", "float32", "--weight-version", "v0"]) as second:
+        clients = [server.client(), second.client()]
+        sender = ColocatedWeightSender(clients, bucket_size_mib=8, dtype=torch.float32, load_format=load_format)
+        sender.init_group()
+        probe = "model.layers.1.mlp.down_proj.weight"
+        for step in range(3):
+            flat.mul_(0.5).add_(float(step))  # the optimizer writes the parameters in place
+            sender.begin_update()
+            stats = sender.send(iter(views), weight_version=f"u{step}")
+            sender.finish_update(f"u{step}")
+            assert stats["num_buckets"] >= 3, stats
+            want = dict(views)[probe][:4].tolist()
+            for c in clients:
+                got = c.get_weights_by_name(probe, truncate_size=4)
+                assert torch.allclose(torch.tensor(got), torch.tensor(want)), (step, c.base_url)
+                assert c.model_info()["weight_version"] == f"u{step}"
+        sender.close()
+    assert flat.is_shared() == (load_format is None)

@@ -159,9 +159,9 @@ def test_double_buffered_hand_over_overlaps_packing_and_keeps_order(monkeypatch)
     packed_while_busy = []
     real_payload = ColocatedSender.payload
 
-    def payload(self, named):
+    def payload(self, named, **kw):
         packed_while_busy.append(engine.busy)
-        return real_payload(self, named)
+        return real_payload(self, named, **kw)
 
     monkeypatch.setattr(ColocatedSender, "payload", payload)
     named = [(f"w{i}", torch.full((64,), float(i))) for i in range(5)]
@@ -200,3 +200,34 @@ def test_a_refused_bucket_waits_for_the_one_in_flight_and_raises(buffers):
         sender.send(iter([(f"w{i}", torch.ones(64)) for i in range(5)]), weight_version="1")
     assert not engine.busy  # nothing was left reading a freed buffer
     assert "1" not in engine.versions and engine.calls <= 3  # buckets 3-5 were not sent after the failure
+
+
+def test_named_tensor_hand_over_points_at_the_parameters_themselves():
+    """`load_format` null (what runs use): the engine reads the trainer's parameter storage by handle.
+    The first update moves the storage into shared memory in place (the parameter and its views keep
+    their values and stay one storage), later updates add no segment and deliver what the parameter
+    holds at send time; a fresh tensor (a converted one) gets a segment that is gone after the update.
+    Two engines, three updates: the parameter's segment stays openable throughout."""
+    from megatron_rl.weight_sync import colocated as col
+
+    before = set(shared_segments())
+    flat = torch.arange(24.0)  # a megatron-style parameter buffer: parameters are views of it
+    w, b = flat[:16].view(4, 4), flat[16:20]
+    engines = [_SlowReceiver(0.0), _SlowReceiver(0.0)]
+    sender = col.ColocatedWeightSender(engines, bucket_size_mib=1.0, dtype=torch.float32, load_format=None)
+    assert sender.takes_views
+    for step in range(3):
+        fresh = torch.full((3,), float(step))  # e.g. regrouped q/k/v: a new tensor each update
+        stats = sender.send(iter([("w", w), ("b", b), ("q", fresh)]), weight_version=str(step))
+        for e in engines:
+            got = dict(e.received[-3:])
+            assert torch.equal(got["w"], w) and torch.equal(got["b"], b) and torch.equal(got["q"], fresh)
+            assert e.versions[-1] == str(step)
+        assert stats["num_tensors"] == 3 and stats["bytes"] == (16 + 4 + 3) * 4
+        assert flat.is_shared() and w.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+        del fresh
+        assert len(set(shared_segments()) - before) == 1  # the parameters' own segment only
+        flat.add_(1.0)  # the optimizer step writes the parameters in place
+    assert torch.equal(flat, torch.arange(24.0) + 3)
+    with pytest.raises(ValueError, match="load_format"):
+        col.ColocatedWeightSender(engines, load_format="safetensors")

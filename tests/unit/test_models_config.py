@@ -162,6 +162,20 @@ def test_hf_weights_round_trip_is_bit_identical(megatron_world1, tie, tmp_path):
     for name, tensor in exported:
         assert tensor.dtype == state[name].dtype and torch.equal(tensor, state[name]), name
 
+    # copy=False (the colocated hand-over): the same tensors, views of the parameters except the
+    # regrouped q/k/v (2 query groups here), so writing a parameter shows in its view
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    views = list(iter_hf_weights(model, hf_config, copy=False))
+    assert [name for name, _ in views] == list(state)
+    for name, tensor in views:
+        assert torch.equal(tensor, state[name]), name
+        shares = tensor.untyped_storage().data_ptr() in params
+        assert shares == (name.split(".")[-2] not in ("q_proj", "k_proj", "v_proj")), name
+    assert all(not t.untyped_storage().data_ptr() in params for _, t in exported)  # copies by default
+    norm = dict(views)["model.norm.weight"]
+    model.decoder.final_layernorm.weight.data.add_(1.0)
+    assert torch.equal(norm, state["model.norm.weight"] + 1.0)
+
 
 def test_load_rejects_wrong_shapes(megatron_world1):
     from megatron_rl.models.builder import build_model
