@@ -317,11 +317,12 @@ def _ipc_receiver(conn, shapes: dict, device: str) -> None:
     params = {n: torch.empty(s, dtype=torch.bfloat16, device=device) for n, s in shapes.items()}
     trusted = process_tree(os.getppid())
     while True:
-        payload = conn.recv()
-        if payload is None:
+        msg = conn.recv()
+        if msg is None:
             break
+        payload, load_format = msg
         t0 = time.perf_counter()
-        for name, view in deserialize_named_tensors(payload, trusted_pids=trusted, load_format="flattened_bucket"):
+        for name, view in deserialize_named_tensors(payload, trusted_pids=trusted, load_format=load_format):
             params[name].copy_(view)
         del view
         if device == "cuda":
@@ -329,17 +330,19 @@ def _ipc_receiver(conn, shapes: dict, device: str) -> None:
         conn.send(time.perf_counter() - t0)
 
 
-def ipc_handover(cfg: dict, device: str, bucket_mib: float = 256.0) -> dict:
+def ipc_handover(cfg: dict, device: str, bucket_mib: float = 256.0, load_format: str | None = "flattened_bucket") -> dict:
     """The colocated hand-over (issue 17) of the shape's weights (bf16) to another process:
-    CUDA IPC handles on GPU (`ColocatedSender` with a device bucket, `torch.cuda.ipc_collect()` after
-    each bucket), shared memory on CPU. Seconds and memory (`gpu/mem_used_gib` on GPU) per phase."""
+    CUDA IPC handles on GPU, shared memory on CPU; `flattened_bucket`: `ColocatedSender` packs each
+    bucket into one device buffer (`torch.cuda.ipc_collect()` after each); None: the named tensors
+    themselves by handle, chunked by `bucket_mib` (what colocated runs send: no copy on the sender).
+    Seconds and memory (`gpu/mem_used_gib` on GPU) per phase."""
     import multiprocessing as mproc
 
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from megatron_rl.weight_sync.buckets import bucket_named_tensors
-    from megatron_rl.weight_sync.ipc import ColocatedSender, shared_segments
+    from megatron_rl.weight_sync.ipc import ColocatedSender, serialize_named_tensors, shared_segments
 
     keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "max_position_embeddings", "tie_word_embeddings")
@@ -350,15 +353,17 @@ def ipc_handover(cfg: dict, device: str, bucket_mib: float = 256.0) -> dict:
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_ipc_receiver, args=(child, {n: list(t.shape) for n, t in named}, device))
     proc.start()
-    out: dict = {"device": device, "bytes": sum(t.numel() * t.element_size() for _, t in named), "phases": []}
+    out: dict = {"device": device, "load_format": load_format, "phases": [],
+                 "bytes": sum(t.numel() * t.element_size() for _, t in named)}
+    before = set(shared_segments())
     try:
         sender = ColocatedSender(int(bucket_mib * 2**20), device)
         t_all = time.perf_counter()
         for i, bucket in enumerate(bucket_named_tensors(iter(named), bucket_mib)):
             m0, t0 = mem(), time.perf_counter()
-            payload = sender.payload(bucket)
+            payload = sender.payload(bucket) if load_format == "flattened_bucket" else serialize_named_tensors(bucket)
             t1 = time.perf_counter()
-            parent.send(payload)
+            parent.send((payload, load_format))
             load_s = parent.recv()
             t2 = time.perf_counter()
             sender.after_bucket()
@@ -369,7 +374,8 @@ def ipc_handover(cfg: dict, device: str, bucket_mib: float = 256.0) -> dict:
         out["total_s"] = time.perf_counter() - t_all
         out["gb_per_s"] = out["bytes"] / 1e9 / out["total_s"]
         out["mem_after_close_gib"] = mem()
-        out["shared_segments_left"] = len(shared_segments())
+        del named, model, bucket  # named: the parameters' own segments (CPU) end with them
+        out["shared_segments_left"] = len(set(shared_segments()) - before)
     finally:
         parent.send(None)
         proc.join(timeout=60)
@@ -451,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             result["te"] = {"skipped": "Transformer Engine not importable" if device == "cuda" else "CPU run"}
     result["ipc_handover"] = ipc_handover(cfg, device)
+    result["ipc_handover_named"] = ipc_handover(cfg, device, load_format=None)
     if not args.skip_rollout:
         with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
             result["rollout"] = rollout_throughput(cfg, Path(tmp), requests=gen_requests, new_tokens=gen_tokens,
@@ -491,9 +498,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'async update s (generation s)':34s} {a['update_s']:10.3f}   (generation {a['generate_alone_s']:.2f} s "
               f"alone, {a['generate_with_update_s']:.2f} s with it; {a['complete']}/{a['requests']} complete, "
               f"{a['spanning_two_versions']} spanning two versions, {a['engine']})")
-    h = result["ipc_handover"]
-    print(f"{'colocated hand-over GB/s':34s} {h['gb_per_s']:10.3f}   ({h['bytes'] / 2**20:.0f} MiB, "
-          f"{len(h['phases'])} buckets, {h['device']}; {h['shared_segments_left']} shared segments left)")
+    for key, label in (("ipc_handover_named", "named tensors"), ("ipc_handover", "flattened_bucket")):
+        h = result[key]
+        print(f"{'colocated hand-over GB/s':34s} {h['gb_per_s']:10.3f}   ({label}: {h['bytes'] / 2**20:.0f} MiB, "
+              f"{len(h['phases'])} buckets, {h['device']}; {h['shared_segments_left']} shared segments left)")
     print(f"grad norms finite: {tr['finite']}; {result['wall_s']:.0f} s in all; wrote {out_path}")
     return 0
 

@@ -43,8 +43,10 @@ def test_cpu_smoke_runs_every_part(tmp_path):
     assert d["te"] == {"skipped": "CPU run"}
     assert d["rollout"]["embedded_server"]["generated_tokens"] == 4 * 8  # ignore_eos: every request runs to the end
     assert "update tokens/s" in r.stdout
-    h = d["ipc_handover"]  # issue 17: the shared-memory path on CPU, every bucket acknowledged, nothing left
-    assert h["device"] == "cpu" and h["phases"] and h["gb_per_s"] > 0 and h["shared_segments_left"] == 0
+    for key in ("ipc_handover", "ipc_handover_named"):  # issue 17: the shared-memory path on CPU, both formats,
+        h = d[key]  # every bucket acknowledged, nothing left once the sender's tensors are gone
+        assert h["device"] == "cpu" and h["phases"] and h["gb_per_s"] > 0 and h["shared_segments_left"] == 0, key
+    assert d["ipc_handover_named"]["load_format"] is None
     a = d["async_update"]  # issue 16: a live update (pause in place, gloo broadcast, continue) mid-generation
     assert a["engine"] == "embedded" and a["complete"] == a["requests"] == 4  # none lost, every one full length
     assert a["update_bytes"] == 4 * 90_688 and set(a["final_versions"]) <= {"default", "async-1"}  # fp32 weights
