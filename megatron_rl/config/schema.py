@@ -615,6 +615,13 @@ class TrainerConfig:
     """auto | transformer_engine | local (Megatron's --transformer-impl): the layer spec. auto = TE's
     fused layernorm-linear and TE attention when Transformer Engine imports and CUDA is present,
     megatron-core's local spec otherwise (CPU). FP8 and sequence parallelism need TE."""
+    attention_backend: str = "auto"
+    """auto | sdpa: the core attention of megatron-core's local layer spec (Megatron's
+    --attention-backend, with torch's SDPA as the extra choice). auto = megatron-core's own
+    (`DotProductAttention`: scores materialised, masked fp32 softmax; TE's attention with TE layers);
+    sdpa = `torch.nn.functional.scaled_dot_product_attention` on the same inputs
+    (`megatron_rl/models/sdpa_attention.py`): faster on CPU, float32 rounding differs (~1e-6), so not
+    the default. Needs the local spec (transformer_impl local, or auto without Transformer Engine)."""
     recompute: Optional[str] = None
     """None | selective | full activation recompute."""
     distributed_backend: str = "gloo"
@@ -649,6 +656,10 @@ class TrainerConfig:
         _positive("trainer", "fp8_amax_history_len", self.fp8_amax_history_len)
         _positive("trainer", "fp8_margin", self.fp8_margin, allow_zero=True)
         _choice("trainer", "transformer_impl", self.transformer_impl, ("auto", "transformer_engine", "local"))
+        _choice("trainer", "attention_backend", self.attention_backend, ("auto", "sdpa"))
+        if self.attention_backend == "sdpa" and self.transformer_impl == "transformer_engine":
+            raise ConfigError("trainer.attention_backend sdpa is for megatron-core's local layer spec; "
+                              "trainer.transformer_impl transformer_engine brings its own attention (set local)")
         if self.fp8 is not None and self.transformer_impl == "local":
             raise ConfigError("trainer.fp8 needs trainer.transformer_impl: transformer_engine (or auto): "
                              "megatron-core's local layers have no FP8 GEMMs")

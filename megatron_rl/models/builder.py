@@ -61,12 +61,17 @@ def transformer_config_for(hf_config: Mapping[str, Any], trainer) -> Any:
     )
 
 
-def build_layer_spec(hf_config: Mapping[str, Any], *, use_te: bool | None = None):
+def build_layer_spec(hf_config: Mapping[str, Any], *, use_te: bool | None = None, attention_backend: str = "auto"):
     """Layer spec (``ModuleSpec``) for the architecture: TE when usable (or forced), else local.
+    ``attention_backend="sdpa"`` puts torch's SDPA core attention into the local spec
+    (``models.sdpa_attention``); "auto" keeps megatron-core's own.
 
     Raises:
-        ValueError: ``use_te=True`` but Transformer Engine is not usable here.
+        ValueError: ``use_te=True`` but Transformer Engine is not usable here; "sdpa" with the TE
+            spec; an unknown ``attention_backend``.
     """
+    if attention_backend not in ("auto", "sdpa"):
+        raise ValueError(f"attention_backend must be auto or sdpa, got {attention_backend!r}")
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
@@ -78,8 +83,16 @@ def build_layer_spec(hf_config: Mapping[str, Any], *, use_te: bool | None = None
     if use_te:
         if not transformer_engine_usable():
             raise ValueError("use_te=True needs Transformer Engine and a CUDA device")
+        if attention_backend == "sdpa":
+            raise ValueError("attention_backend sdpa is for the local layer spec; Transformer Engine layers bring "
+                             "their own attention (trainer.transformer_impl: local to use sdpa)")
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_layernorm)
-    return get_gpt_layer_local_spec(qk_layernorm=spec.qk_layernorm, normalization="RMSNorm")
+    layer = get_gpt_layer_local_spec(qk_layernorm=spec.qk_layernorm, normalization="RMSNorm")
+    if attention_backend == "sdpa":
+        from megatron_rl.models.sdpa_attention import SDPADotProductAttention
+
+        layer.submodules.self_attention.submodules.core_attention = SDPADotProductAttention
+    return layer
 
 
 def build_model(
@@ -90,6 +103,7 @@ def build_model(
     post_process: bool = True,
     make_vocab_size_divisible_by: int = 128,
     use_te: bool | None = None,
+    attention_backend: str = "auto",
 ):
     """Build a megatron-core ``GPTModel`` (one pipeline stage) for an HF config.
 
@@ -105,6 +119,8 @@ def build_model(
         make_vocab_size_divisible_by: vocabulary padding multiple (times TP).
         use_te: force (True) or forbid (False) the Transformer Engine spec; None picks TE when
             it is importable and CUDA is present.
+        attention_backend: "auto" (megatron-core's core attention) or "sdpa" (torch SDPA in the
+            local spec; ``build_layer_spec``).
 
     Returns:
         ``megatron.core.models.gpt.GPTModel`` on the current device (CPU without CUDA).
@@ -119,7 +135,7 @@ def build_model(
         tensor_model_parallel_size=tf_config.tensor_model_parallel_size,
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
     )
-    layer_spec = build_layer_spec(hf_config, use_te=use_te)
+    layer_spec = build_layer_spec(hf_config, use_te=use_te, attention_backend=attention_backend)
     model = GPTModel(
         config=tf_config,
         transformer_layer_spec=layer_spec,

@@ -190,7 +190,8 @@ def _build_model(run: Run, tf_config, *, trainable: bool = True):
     cfg, pgs = run.cfg, run.pgs
     model = build_model(run.hf_config, tf_config, make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
                         pre_process=pgs.is_pipeline_first_stage, post_process=pgs.is_pipeline_last_stage,
-                        use_te=use_te_for(cfg.trainer.transformer_impl))
+                        use_te=use_te_for(cfg.trainer.transformer_impl),
+                        attention_backend=cfg.trainer.attention_backend)
     load_hf_weights(model, cfg.model.path, tp_rank=pgs.tp_rank, tp_size=pgs.tp_size)
     if not trainable:
         model.requires_grad_(False)
