@@ -534,10 +534,7 @@ class WeightSyncConfig:
     slime's: one broadcast per tensor, no copy on the trainer side; the embedded server receives
     straight into its parameters) or `flattened_bucket` (the tensors of a bucket copied into one uint8
     tensor, one broadcast a bucket). The servers load the same weights either way
-    (`benchmarks/sync_throughput.py` measures both). Colocated (`rollout.colocate`), the same choice
-    for `/update_weights_from_tensor`: null hands over named tensors that are views of the trainer's
-    parameters (the engine's copy is the only one), `flattened_bucket` packs buckets into a shared
-    buffer first (docs/COLOCATE.md)."""
+    (`benchmarks/sync_throughput.py` measures both). Colocated: the same for `/update_weights_from_tensor`."""
     check_checksums: bool = False
     """After every sync, compare a SHA-256 per tensor of each server's weights (`/get_weights_by_name`)
     with the trainer's; a mismatch fails the sync. Costs a full read-back of the weights over HTTP."""
@@ -616,12 +613,9 @@ class TrainerConfig:
     fused layernorm-linear and TE attention when Transformer Engine imports and CUDA is present,
     megatron-core's local spec otherwise (CPU). FP8 and sequence parallelism need TE."""
     attention_backend: str = "auto"
-    """auto | sdpa: the core attention of megatron-core's local layer spec (Megatron's
-    --attention-backend, with torch's SDPA as the extra choice). auto = megatron-core's own
-    (`DotProductAttention`: scores materialised, masked fp32 softmax; TE's attention with TE layers);
-    sdpa = `torch.nn.functional.scaled_dot_product_attention` on the same inputs
-    (`megatron_rl/models/sdpa_attention.py`): faster on CPU, float32 rounding differs (~1e-6), so not
-    the default. Needs the local spec (transformer_impl local, or auto without Transformer Engine)."""
+    """auto | sdpa (Megatron's --attention-backend, plus torch SDPA): auto = megatron-core's own core
+    attention; sdpa = torch's SDPA in the local spec (models/sdpa_attention.py): faster on CPU, fp32
+    rounding differs (~1e-6). Needs the local spec (transformer_impl local, or auto without TE)."""
     recompute: Optional[str] = None
     """None | selective | full activation recompute."""
     distributed_backend: str = "gloo"
