@@ -8,6 +8,7 @@ newest complete one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -22,7 +23,7 @@ logger = logging.getLogger(__name__)
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 RUN_STATE_FILE = "run_state.json"
 # The distributed optimizer's per-parameter format: reshardable across TP/PP/DP layouts.
-SHARDING_METADATA = {"distrib_optim_sharding_type": "fully_sharded_model_space", "chained_optim_avoid_prefix": True,
+SHARDING_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True,
                      "singleton_local_shards": False}
 
 
@@ -37,6 +38,57 @@ def _in_process_results_queue() -> None:
 
     if getattr(filesystem_async, "_results_queue", None) is None:
         filesystem_async._results_queue = queue.Queue()
+
+
+def _materialize_distributed_optimizer_state(optimizer) -> None:
+    """A freshly built distributed optimizer has no Adam state yet (torch allocates it at the first
+    step), and its `sharded_state_dict(is_loading=True)` needs the tensors to load into (megatron-core
+    0.19 asserts on the empty state without Apex/TE); megatron-core's own loaders allocate them first
+    with `_init_optimizer_states_with_dummy_values` (a zero-gradient step). Whatever that step does to
+    the parameters (weight decay) is overwritten by the checkpoint's model and optimizer state."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(opt, DistributedOptimizer) and not opt.optimizer.state:
+            opt._init_optimizer_states_with_dummy_values()
+
+
+@contextlib.contextmanager
+def _torch_adam_step_kept(optimizer):
+    """megatron-core 0.19's distributed optimizer, loading the `fully_reshardable` format with torch's
+    Adam (no Apex / TE: CPU), restores Adam's `step` from the param groups and then copies every
+    tensor of Adam's per-parameter state from the checkpoint's tensors, which do not carry `step`
+    (a tensor in torch's Adam): `KeyError: 'step'` in `_set_main_param_and_optimizer_states`. For the
+    duration of the load the `step` already restored is passed along as its own source (a no-op copy).
+    The same load also gives every parameter ONE shared `step` tensor, which torch's foreach Adam then
+    increments once per parameter at the next step (step 1 + n_params, not 2: the bias correction, so
+    the update, differs from the uninterrupted run); afterwards each parameter gets its own copy."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    patched = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not isinstance(opt, DistributedOptimizer) or opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            continue
+        original = opt._set_main_param_and_optimizer_states
+
+        def set_states(model_param, tensors, _opt=opt, _original=original):
+            if "step" not in tensors:
+                group, order = _opt.model_param_group_index_map[model_param]
+                step = _opt.optimizer.state.get(_opt.optimizer.param_groups[group]["params"][order], {}).get("step")
+                if isinstance(step, torch.Tensor):
+                    tensors = {**tensors, "step": step}
+            return _original(model_param, tensors)
+
+        opt._set_main_param_and_optimizer_states = set_states
+        patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states
+            for state in opt.optimizer.state.values():
+                if isinstance(state.get("step"), torch.Tensor):
+                    state["step"] = state["step"].clone()
 
 
 def _unwrap(m):
@@ -194,12 +246,14 @@ def load_checkpoint(run_dir: str | os.PathLike, step: int, *, model, optimizer, 
     _check_shapes(model_sd, ckpt / "model_optim")
     sharded = dict(model_sd)
     if load_optimizer:
+        _materialize_distributed_optimizer_state(optimizer)
         sharded["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=True, metadata=dict(SHARDING_METADATA))
     loaded = dist_checkpointing.load(sharded, str(ckpt / "model_optim"))
     for i, m in enumerate(model):
         _unwrap(m).load_state_dict(loaded[f"model{i}" if len(model) > 1 else "model"], strict=True)
     if load_optimizer:
-        optimizer.load_state_dict(loaded["optimizer"])
+        with _torch_adam_step_kept(optimizer):
+            optimizer.load_state_dict(loaded["optimizer"])
     else:
         optimizer.reload_model_params()
     scheduler.load_state_dict(state["scheduler"])
