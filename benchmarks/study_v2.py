@@ -80,10 +80,11 @@ TEST_JSONL = TINY / "data" / "test.jsonl"
 BASE_EVAL = TINY / "base_model" / "eval_base.json"
 
 GRPO_AS_RUN = ["actor.old_logprob_source=recompute", "actor.sequence_packing=false", "rollout.num_servers=1",
-               "trainer.nproc_per_node=1"]
+               "trainer.nproc_per_node=1", "trainer.attention_backend=auto", "trainer.transformer_impl=auto",
+               "weight_sync.load_format=null"]
 """examples/tiny/grpo.yaml as the study ran it: issue 22 (after the study) gave the recipe 2 servers, 2
-trainer ranks, the engine's log-probs and sequence packing for speed; a run added to the study keeps
-the settings its committed runs had."""
+trainer ranks, the engine's log-probs, sequence packing, SDPA attention and one-bucket syncs for speed;
+a run added to the study keeps the settings its committed runs had."""
 
 ARMS: list[tuple[str, str, list[str]]] = [
     ("grpo", "grpo", GRPO_AS_RUN),

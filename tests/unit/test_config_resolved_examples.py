@@ -15,7 +15,8 @@ dapo.yaml with `trainer.max_staleness: 1` and partial rollouts (`test_dapo_async
 tiny recipes set `rollout.pause_mode: in_place` (it acts only with `trainer.max_staleness` > 0).
 Changed since (issue 22): `actor.sequence_packing` (false) is new, and examples/tiny/grpo.yaml sets it,
 `actor.old_logprob_source: rollout`, `rollout.num_servers: 2` and `trainer.nproc_per_node: 2` (the TRL
-comparison's recipe); `trainer.attention_backend` (auto) is new."""
+comparison's recipe); `trainer.attention_backend` (auto) is new, and grpo.yaml sets it to sdpa with
+`trainer.transformer_impl: local` and `weight_sync.load_format: flattened_bucket`."""
 
 import json
 from pathlib import Path
