@@ -116,6 +116,13 @@ def setup_colocation(run) -> Colocation:
     log = PhaseLog()
     engines = None
     if run.is_controller:
+        from megatron_rl.weight_sync.ipc import sweep_orphan_segments
+
+        orphans = sweep_orphan_segments()
+        if orphans:
+            logger.warning("removed %d shared-memory segment(s) of processes that are gone (%.1f MiB in /dev/shm, "
+                           "e.g. a colocated run killed with its torch_shm_manager): %s", len(orphans),
+                           sum(b for _, b in orphans) / 2**20, [n for n, _ in orphans[:5]])
         poll, threshold = None, 0.0
         if torch.cuda.is_available():  # pragma: no cover - GPU only
             total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30

@@ -73,13 +73,16 @@ class PhaseLog:
             self.metrics[f"colocate/{phase}_{name}_before"] = v
             self.metrics[f"colocate/{phase}_{name}_after"] = after.get(k, v)
         self.order.append(phase)
-        logger.info("colocated phase %s: %.3f s, %s -> %s", phase, self.metrics[f"colocate/{phase}_s"],
-                    {k: round(v, 3) for k, v in before.items()}, {k: round(v, 3) for k, v in after.items()})
+        logger.debug("colocated phase %s: %.3f s, %s -> %s", phase, self.metrics[f"colocate/{phase}_s"],
+                     {k: round(v, 3) for k, v in before.items()}, {k: round(v, 3) for k, v in after.items()})
         return out
 
     def take(self) -> dict[str, float]:
-        """The metrics recorded since the last `take` (and forget them)."""
-        out, self.metrics, self.order = self.metrics, {}, []
+        """The metrics recorded since the last `take` (and forget them); logs them as one INFO line
+        (each phase's line is DEBUG: `colocate/*` in metrics.jsonl has every number)."""
+        out, order, self.metrics, self.order = self.metrics, self.order, {}, []
+        if order:
+            logger.info("colocated phases: %s", ", ".join(f"{p} {out[f'colocate/{p}_s']:.3f} s" for p in order))
         return out
 
 
@@ -348,7 +351,7 @@ class ColocatedWeightSender:
                     sender.close()
         elapsed = time.perf_counter() - t_all
         stats["broadcast_time_s"] = max(elapsed - stats["prepare_time_s"], 0.0)
-        logger.info("colocated hand-over: %d tensors, %.1f MiB in %.3f s", stats["num_tensors"],
+        logger.debug("colocated hand-over: %d tensors, %.1f MiB in %.3f s", stats["num_tensors"],
                     stats["bytes"] / 2**20, elapsed)
         return stats
 
@@ -390,7 +393,7 @@ class ColocatedWeightSender:
                 torch.cuda.ipc_collect()
         elapsed = time.perf_counter() - t_all
         stats["broadcast_time_s"] = max(elapsed - stats["prepare_time_s"], 0.0)
-        logger.info("colocated hand-over (named tensors): %d tensors, %.1f MiB in %.3f s", stats["num_tensors"],
+        logger.debug("colocated hand-over (named tensors): %d tensors, %.1f MiB in %.3f s", stats["num_tensors"],
                     stats["bytes"] / 2**20, elapsed)
         return stats
 

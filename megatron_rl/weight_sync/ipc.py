@@ -381,6 +381,44 @@ def shared_segments(pid: Optional[int] = None) -> list[str]:
         return []
 
 
+def sweep_orphan_segments() -> list[tuple[str, int]]:
+    """Remove torch `file_system` segments (/dev/shm/torch_<pid>_*) whose creating process is gone.
+
+    Colocated runs keep the trainer's parameters in such segments for the whole run; torch's
+    `torch_shm_manager` removes them when the trainer exits, even after SIGKILL, but not when the
+    manager itself is killed with it (a whole-job SIGKILL: scancel, a time limit, the OOM killer),
+    which leaves a model's worth of RAM in /dev/shm. Called when a colocated run starts. A segment
+    of a live pid (ours, another job's) is never touched; one that cannot be removed is skipped.
+
+    Returns:
+        (name, bytes) of every segment removed.
+    """
+    removed = []
+    try:
+        names = os.listdir("/dev/shm")
+    except OSError:
+        return removed
+    for name in names:
+        m = re.fullmatch(r"torch_(\d+)_.*", name)
+        if m is None:
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+            continue  # alive
+        except ProcessLookupError:
+            pass
+        except (PermissionError, OverflowError, ValueError):
+            continue  # alive under another user, or not a pid
+        path = os.path.join("/dev/shm", name)
+        try:
+            size = os.path.getsize(path)
+            os.unlink(path)
+            removed.append((name, size))
+        except OSError:
+            continue
+    return removed
+
+
 def loopback(host: str) -> bool:
     """Whether `host` is a loopback address (127.0.0.0/8 or ::1)."""
     try:

@@ -231,3 +231,26 @@ def test_named_tensor_hand_over_points_at_the_parameters_themselves():
     assert torch.equal(flat, torch.arange(24.0) + 3)
     with pytest.raises(ValueError, match="load_format"):
         col.ColocatedWeightSender(engines, load_format="safetensors")
+
+
+def test_sweep_removes_segments_of_dead_processes_only():
+    """A segment named after a pid that is gone (a run killed with its torch_shm_manager) is removed;
+    one of a live process (this one) stays."""
+    from megatron_rl.weight_sync.ipc import sweep_orphan_segments
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    orphan = f"/dev/shm/torch_{dead.pid}_123_0"
+    mine = f"/dev/shm/torch_{os.getpid()}_sweeptest_0"
+    for path in (orphan, mine):
+        with open(path, "wb") as f:
+            f.write(b"x" * 4096)
+    try:
+        removed = sweep_orphan_segments()
+        assert (os.path.basename(orphan), 4096) in removed
+        assert not os.path.exists(orphan) and os.path.exists(mine)
+        assert all(not n.startswith(f"torch_{os.getpid()}_") for n, _ in removed)
+    finally:
+        for path in (orphan, mine):
+            if os.path.exists(path):
+                os.unlink(path)
