@@ -149,6 +149,14 @@ def build_model(
         rotary_percent=1.0,
         rotary_base=spec.rotary_base,
     )
+    # megatron-core's local spec without Apex builds its norms with torch's RMSNorm in float32 whatever
+    # params_dtype says; Megatron-LM's Float16Module would cast them. A bf16 model with fp32 norms
+    # breaks megatron's Float16Optimizer checkpoint (its state ids are paired with the bf16 params in
+    # order: "Optimizer shape (128,) does not match model shape (256,)" at the first save), so every
+    # floating parameter is brought to params_dtype here.
+    for p in model.parameters():
+        if p.is_floating_point() and p.dtype != tf_config.params_dtype:
+            p.data = p.data.to(tf_config.params_dtype)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     logger.info(

@@ -28,14 +28,14 @@ from tests.distributed.tiny_qwen2 import tiny_hf_config, tiny_hf_model
 pytestmark = pytest.mark.timeout(300)
 
 
-def _trainer(hf_config=None, distributed_optimizer=False):
+def _trainer(hf_config=None, distributed_optimizer=False, bf16=False):
     from megatron_rl.models.builder import build_model, wrap_ddp_and_optimizer
     from megatron_rl.models.hf_config import build_transformer_config
     from megatron_rl.models.hf_weights import load_hf_weights
 
     hf_config = hf_config or tiny_hf_config(tie_word_embeddings=False)
     hf = tiny_hf_model(hf_config, seed=0)
-    tf_config = build_transformer_config(hf_config)
+    tf_config = build_transformer_config(hf_config, **({"params_dtype": torch.bfloat16, "bf16": True} if bf16 else {}))
     model = build_model(hf_config, tf_config)
     load_hf_weights(model, hf.state_dict())
     # cosine decay: the scheduler's state sets the LR of step 2
@@ -75,12 +75,15 @@ def _save(trainer, run_dir, step, keep=3, **state):
                            config_yaml="a: 1\n", keep_last_n=keep)
 
 
-@pytest.mark.parametrize("distributed_optimizer", [False, True], ids=["optimizer", "distributed_optimizer"])
-def test_resume_is_bit_exact(megatron_world1, tmp_path, distributed_optimizer):
-    """Also with megatron-core's distributed optimizer (every 32B recipe): its state is saved in the
-    `fully_reshardable` format (megatron-core 0.19 refuses `fully_sharded_model_space`'s flattened ranges
-    at save time: `CheckpointingException: ShardedTensor.flattened_range is not supported`)."""
-    a = _trainer(distributed_optimizer=distributed_optimizer)
+@pytest.mark.parametrize("distributed_optimizer, bf16", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["optimizer", "distributed_optimizer", "bf16", "bf16-distributed_optimizer"])
+def test_resume_is_bit_exact(megatron_world1, tmp_path, distributed_optimizer, bf16):
+    """Also with megatron-core's distributed optimizer and in bf16 (every 32B recipe): the distributed
+    optimizer's state is saved in the `fully_reshardable` format (megatron-core 0.19 refuses
+    `fully_sharded_model_space`'s flattened ranges at save time: `CheckpointingException:
+    ShardedTensor.flattened_range is not supported`); in bf16 every parameter is bf16, norms included
+    (fp32 norms broke the Float16Optimizer's save: "Optimizer shape (128,) does not match model shape")."""
+    a = _trainer(distributed_optimizer=distributed_optimizer, bf16=bf16)
     _step(a, seed=1)
     torch.manual_seed(77)  # the RNG state is part of the checkpoint
     _save(a, tmp_path, 1, weight_version=1)
@@ -88,7 +91,7 @@ def test_resume_is_bit_exact(megatron_world1, tmp_path, distributed_optimizer):
     hist_a = _step(a, seed=2)
     after_a = _params(a)
 
-    b = _trainer(distributed_optimizer=distributed_optimizer)
+    b = _trainer(distributed_optimizer=distributed_optimizer, bf16=bf16)
     before_load = _params(b)
     state = load_checkpoint(tmp_path, 1, model=b.model, optimizer=b.optimizer, scheduler=b.scheduler)
     assert state["step"] == 1 and state["weight_version"] == 1 and state["data"] == {"position": 1}
