@@ -48,6 +48,7 @@ def _state_dict(model_dir):
 
 
 def test_release_update_resume_cycle(server, model_dir):
+    before = set(shared_segments())  # earlier tests' tensors of this process may still await collection
     client = server.client()
     ref = _greedy(client)
     weights = list(_state_dict(model_dir).items())
@@ -77,7 +78,7 @@ def test_release_update_resume_cycle(server, model_dir):
                                           weight_version="v1" if i + 4 >= len(rest) else None)
         sender.after_bucket()
     sender.close()
-    assert shared_segments() == []  # no trainer-created segment outlives the update
+    assert set(shared_segments()) - before == set()  # no trainer-created segment outlives the update
     client.end_weight_update()
     with pytest.raises(RolloutServerError, match="503.*KV cache is released"):
         _greedy(client)

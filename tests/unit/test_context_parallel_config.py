@@ -54,6 +54,7 @@ def test_dry_run_refuses_cp(tmp_path):
     """The refusal happens before launch: `--dry-run` exits 2 with the message, as for any config error."""
     out = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "train", "--config", "examples/tiny/grpo.yaml",
                           "--dry-run", f"run_dir={tmp_path}", "trainer.context_parallel_size=2",
-                          "trainer.nproc_per_node=2"], capture_output=True, text=True, cwd=ROOT)
+                          "trainer.nproc_per_node=2", "trainer.transformer_impl=auto", "trainer.attention_backend=auto"],
+                         capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 2, out.stderr
     assert "config error: trainer.context_parallel_size=2: this trainer does not implement" in out.stderr
