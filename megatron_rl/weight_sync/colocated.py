@@ -313,19 +313,19 @@ class ColocatedWeightSender:
                 slot = index % len(senders)
                 settle(slot)
                 tp = time.perf_counter()
-                payload = senders[slot].payload(current, copies=len(self.clients))
+                payloads = senders[slot].payloads(current, len(self.clients))
                 stats["prepare_time_s"] += time.perf_counter() - tp
                 version = weight_version if following is None else None
                 if pool is None:
                     done = Future()
                     try:
-                        post(payload, version)
+                        post(payloads, version)
                         done.set_result(None)
                     except BaseException as e:  # noqa: BLE001 - raised by settle, in bucket order
                         done.set_exception(e)
                     inflight[slot] = done
                 else:
-                    inflight[slot] = pool.submit(post, payload, version)
+                    inflight[slot] = pool.submit(post, payloads, version)
                 stats["bytes"] += sum(t.numel() * t.element_size() for _, t in current)
                 stats["num_buckets"] += 1
                 stats["num_tensors"] += len(current)

@@ -446,19 +446,22 @@ class ColocatedSender:
         self.device = torch.device(device)
         self._buffer: Optional[torch.Tensor] = None
 
-    def payload(self, named: Sequence[tuple[str, torch.Tensor]], copies: int | None = None) -> str | list[str]:
-        """Pack `named` (one bucket) and return its serialised `flattened_bucket` payload, or with
-        `copies` that many serialisations of it, one per receiving engine (each serialisation takes
-        one reference on the shared segment and each receiver drops one: a payload must be read by
-        one engine only, or the segment is unlinked while the buffer is still reused). The buffer
-        is reused by the next call: post the payloads and wait for the replies first."""
+    def payload(self, named: Sequence[tuple[str, torch.Tensor]]) -> str:
+        """Pack `named` (one bucket) and return its serialised `flattened_bucket` payload, for one
+        engine (`payloads` for several). The buffer is reused by the next call: post the payload and
+        wait for the reply first."""
+        return self.payloads(named, 1)[0]
+
+    def payloads(self, named: Sequence[tuple[str, torch.Tensor]], copies: int) -> list[str]:
+        """Pack `named` once and return `copies` serialisations of it, one per receiving engine (each
+        serialisation takes one reference on the shared segment and each receiver drops one: a
+        payload must be read by one engine only, or the segment is unlinked while the buffer is
+        still reused)."""
         _, used = bucket_layout(named)
         if self._buffer is None or self._buffer.numel() < used:
             self._buffer = None
             self._buffer = _new_buffer(max(self.bucket_bytes, used), self.device)
         obj = {"flattened_tensor": self._buffer[:used], "metadata": _wire_metadata(pack_bucket(named, self._buffer))}
-        if copies is None:
-            return serialize_named_tensors(obj)
         return [serialize_named_tensors(obj) for _ in range(copies)]
 
     def after_bucket(self) -> None:

@@ -157,13 +157,13 @@ def test_double_buffered_hand_over_overlaps_packing_and_keeps_order(monkeypatch)
 
     engine = _SlowReceiver(delay_s=0.05)
     packed_while_busy = []
-    real_payload = ColocatedSender.payload
+    real_payloads = ColocatedSender.payloads
 
-    def payload(self, named, **kw):
+    def payloads(self, named, copies):
         packed_while_busy.append(engine.busy)
-        return real_payload(self, named, **kw)
+        return real_payloads(self, named, copies)
 
-    monkeypatch.setattr(ColocatedSender, "payload", payload)
+    monkeypatch.setattr(ColocatedSender, "payloads", payloads)
     named = [(f"w{i}", torch.full((64,), float(i))) for i in range(5)]
     sender = col.ColocatedWeightSender([engine], bucket_size_mib=64 * 4 / 2**20, dtype=torch.float32, buffers=2)
     stats = sender.send(iter(named), weight_version="7")
