@@ -92,9 +92,14 @@ def check_colocate(cfg: Config, hf: Optional[dict[str, Any]] = None) -> None:
     if t.pipeline_model_parallel_size > 1:
         raise ConfigError(f"rollout.colocate: true with trainer.pipeline_model_parallel_size "
                           f"{t.pipeline_model_parallel_size}: the engines accept IPC handles only from the process "
-                          "tree of the trainer rank that launched them (rank 0), and each pipeline stage would send "
-                          "its own; use pipeline_model_parallel_size 1")
+                          "tree of the trainer rank that launched them (each node's local rank 0, which hands over "
+                          "the whole model), and each pipeline stage would send its own; use "
+                          "pipeline_model_parallel_size 1")
     devices = t.nproc_per_node
+    if devices % t.tensor_model_parallel_size:
+        raise ConfigError(f"trainer.tensor_model_parallel_size {t.tensor_model_parallel_size} must divide "
+                          f"trainer.nproc_per_node {devices} with rollout.colocate: true (each node's local rank 0 "
+                          "gathers the model with its TP group, which must not span nodes)")
     if devices % r.tp_size:
         raise ConfigError(f"rollout.tp_size {r.tp_size} must divide trainer.nproc_per_node {devices} with "
                           "rollout.colocate: true (each engine takes rollout.tp_size of the trainer's devices)")

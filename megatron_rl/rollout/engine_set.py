@@ -4,6 +4,13 @@ Engines the run starts itself are launched in a background thread as soon as the
 so that their start-up overlaps the trainer's model build; `connect` waits for them and returns
 the `ServerFleet` (engines up/down, restarts) that the rollout manager and the weight publisher
 share.
+
+Colocated runs on several nodes (`rollout.colocate` under torchrun with more than one node):
+local rank 0 of every node starts that node's `rollout.num_servers` engines, bound to 0.0.0.0;
+it hands them the weights through 127.0.0.1 (the IPC route accepts only loopback peers of its
+own process tree) and restarts its own dead engines (`restart_dead`); the controller reaches the
+other nodes' engines at `advertised_urls()` (this node's address towards `MASTER_ADDR`) and
+counts them in its fleet as engines it cannot restart itself.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
 
+from megatron_rl.parallel.nodes import NodeInfo, node_address
 from megatron_rl.rollout.engine import engine_backend
 
 logger = logging.getLogger(__name__)
@@ -60,26 +68,38 @@ class EngineSet:
 
     Args:
         cfg: the run's `Config` (`rollout.*`, `model.path`, `weight_sync.timeout_s`, `run_dir`).
+        node: this process's node (`parallel.nodes.node_info()`); None = node 0 of 1. A colocated
+            run with `node.nnodes > 1` binds its engines to 0.0.0.0 and logs node k's engines
+            (k > 0) in `run_dir/node<k>/` (module docstring).
 
     Engines are started at once (unless `rollout.server_urls` names running ones); call
-    `connect()` before use and `stop()` at the end (it also cancels a launch in progress).
+    `connect()` before use (controller) and `stop()` at the end (it also cancels a launch in
+    progress).
     """
 
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, node: NodeInfo | None = None) -> None:
         self.cfg = cfg
+        self.node = node or NodeInfo(0, 1, 0, 1)
+        self.multinode = bool(cfg.rollout.colocate) and self.node.nnodes > 1
         self.processes: list = []
         self.clients: list = []
         self.fleet = None
+        self.restarts = 0
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="server-launch")
         self._launch = self._pool.submit(self._start) if not cfg.rollout.server_urls else None
 
     def _start(self) -> list[str]:
+        from pathlib import Path
+
         from megatron_rl.rollout.launcher import launch_servers
 
         cfg, r = self.cfg, self.cfg.rollout
         sglang_args, per_server_args = colocated_engine_args(r)
+        log_dir = Path(cfg.run_dir) / (f"node{self.node.node_rank}" if self.node.node_rank else "")
+        log_dir.mkdir(parents=True, exist_ok=True)
         self.processes = launch_servers(
-            r.backend, cfg.model.path, r.num_servers, ports=r.server_ports, log_dir=cfg.run_dir,
+            r.backend, cfg.model.path, r.num_servers, ports=r.server_ports, log_dir=log_dir,
+            **({"host": "0.0.0.0"} if self.multinode else {}),
             startup_timeout_s=r.startup_timeout_s, env=rollout_server_env(r.num_servers), api_key=r.api_key,
             admin_api_key=r.admin_api_key, random_seed=cfg.trainer.seed,
             enable_deterministic_inference=r.enable_deterministic_inference,
@@ -93,7 +113,51 @@ class EngineSet:
             sglang_args=sglang_args, vllm_python=r.vllm_python, vllm_args=r.vllm_extra_args,
             per_server_args=per_server_args,
         )
+        if self.multinode:  # bound to 0.0.0.0: this node's own calls go through the loopback address
+            return [f"http://127.0.0.1:{server.port}" for server in self.processes]
         return [server.base_url for server in self.processes]
+
+    def local_urls(self) -> list[str]:
+        """URLs of the engines this process started, as this host reaches them (waits for the launch).
+
+        Raises:
+            RolloutServerError: an engine did not come up.
+        """
+        return list(self._launch.result()) if self._launch is not None else []
+
+    def advertised_urls(self) -> list[str]:
+        """URLs of this node's engines as the controller reaches them: on node 0 (the controller's)
+        `local_urls()`, on node k > 0 this host's address towards `MASTER_ADDR`."""
+        urls = self.local_urls()
+        if not self.multinode or self.node.node_rank == 0:
+            return urls
+        host = node_address(os.environ.get("MASTER_ADDR", "127.0.0.1"))
+        return [f"http://{host}:{server.port}" for server in self.processes]
+
+    def restart_dead(self) -> int:
+        """A node leader (not the controller): restart this node's engines that exited, within
+        `rollout.max_server_restarts` for this node; returns how many were restarted. An engine
+        past the budget stays down (the controller's fleet runs without it) and is logged."""
+        from megatron_rl.errors import RolloutServerError
+
+        restarted = 0
+        for i, server in enumerate(self.processes):
+            if server.process.poll() is None:
+                continue
+            if self.restarts >= self.cfg.rollout.max_server_restarts:
+                logger.error("node %d: rollout server %d is dead and the restart budget is spent "
+                             "(rollout.max_server_restarts=%d); the run goes on without it", self.node.node_rank, i,
+                             self.cfg.rollout.max_server_restarts)
+                continue
+            self.restarts += 1
+            logger.warning("node %d: restarting rollout server %d (%s), restart %d of at most %d",
+                           self.node.node_rank, i, server.log_path, self.restarts, self.cfg.rollout.max_server_restarts)
+            try:
+                server.restart()
+                restarted += 1
+            except RolloutServerError as e:
+                logger.error("node %d: rollout server %d could not be restarted: %s", self.node.node_rank, i, e)
+        return restarted
 
     def client(self, url: str, *, generate_timeout_s: float | None = None):
         """A new `RolloutEngine` client of the engine at `url` with the run's keys."""
@@ -102,8 +166,10 @@ class EngineSet:
             url, api_key=r.api_key, admin_api_key=r.admin_api_key, timeout_s=60.0,
             generate_timeout_s=generate_timeout_s or r.timeout_s)
 
-    def connect(self):
+    def connect(self, remote_urls=()):
         """Wait for the engines, build one client each and the `ServerFleet`; returns the fleet.
+        `remote_urls`: the other nodes' colocated engines (in the fleet after this node's; the
+        fleet cannot restart them, their node leaders do).
 
         Raises:
             RolloutServerError: an engine did not come up (the message holds its log tail).
@@ -112,9 +178,9 @@ class EngineSet:
 
         r = self.cfg.rollout
         urls = self._launch.result() if self._launch is not None else list(r.server_urls)
-        self.clients = [self.client(u) for u in urls]
-        self.fleet = ServerFleet(self.clients, self.processes if self._launch is not None else None,
-                                 max_restarts=r.max_server_restarts)
+        self.clients = [self.client(u) for u in [*urls, *remote_urls]]
+        processes = ([*self.processes, *[None] * len(remote_urls)] if self._launch is not None else None)
+        self.fleet = ServerFleet(self.clients, processes, max_restarts=r.max_server_restarts)
         return self.fleet
 
     def stop(self) -> None:

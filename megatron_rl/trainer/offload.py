@@ -80,16 +80,21 @@ class Colocation:
 
     `before_train()` after the step's batch is generated: engines release weights and KV cache
     (controller, waits until freed), a barrier, then this rank onloads. `after_train()` after the
-    PPO updates: offload, empty cache. The publisher's `ColocatedWeightSender` then resumes the
-    weights, hands them over and resumes the KV cache. `metrics()` returns the phases' times and
-    memory readings of the step (controller).
+    PPO updates: offload, empty cache; on several nodes, each other node's leader then restarts
+    its own engines that died (`node_engines`, `EngineSet.restart_dead`) and a barrier lets the
+    controller's weight sync find them up. The publisher's `ColocatedWeightSender` then resumes
+    the weights, hands them over and resumes the KV cache. `metrics()` returns the phases' times
+    and memory readings of the step (controller).
     """
 
-    def __init__(self, offload: TrainerOffload, engines: Optional[EngineMemory], log: PhaseLog, barrier) -> None:
+    def __init__(self, offload: TrainerOffload, engines: Optional[EngineMemory], log: PhaseLog, barrier,
+                 node_engines=None, nnodes: int = 1) -> None:
         self.offload = offload
         self.engines = engines
         self.log = log
         self.barrier = barrier
+        self.node_engines = node_engines
+        self.nnodes = nnodes
 
     def before_train(self) -> None:
         """Engines release (controller), every rank waits for it, then onloads."""
@@ -101,6 +106,10 @@ class Colocation:
     def after_train(self) -> None:
         """This rank offloads (before any engine resumes: the publisher runs after this)."""
         self.log.run("trainer_offload", self.offload.offload)
+        if self.nnodes > 1:
+            if self.node_engines is not None:
+                self.node_engines.restart_dead()
+            self.barrier()
 
     def metrics(self) -> dict[str, float]:
         """The step's `colocate/*` metrics (and forget them)."""
@@ -130,6 +139,9 @@ def setup_colocation(run) -> Colocation:
             poll = lambda: torch.cuda.device_memory_used() / 2**30  # noqa: E731
         engines = EngineMemory(lambda: run.engines.fleet.up_clients(), log, release_poll=poll,
                                release_threshold_gib=threshold)
+    from megatron_rl.parallel.nodes import node_info
+
     world = run.pgs.world_size
     return Colocation(TrainerOffload(run.ddp_model, run.optimizer), engines, log,
-                      barrier=lambda: broadcast_object(None, src=0, world_size=world))
+                      barrier=lambda: broadcast_object(None, src=0, world_size=world),
+                      node_engines=run.node_engines, nnodes=node_info().nnodes)

@@ -97,6 +97,8 @@ class Run:
     dataset: object = None
     tracker: object = None
     engines: object = None
+    node_engines: object = None
+    """A node leader's own colocated engines on nodes other than the controller's (else None)."""
     producer: object = None
     publisher: object = None
     colocation: object = None
@@ -281,20 +283,26 @@ def _restore(run: Run) -> None:
 
 def _sender_factory(cfg: Config, engines, colocation=None):
     """`(urls, group_name) -> WeightSyncSender` over new clients of those engines (a
-    `ColocatedWeightSender` with `rollout.colocate`)."""
+    `ColocatedWeightSender` with `rollout.colocate`: it hands tensors to this node's engines among
+    `urls`, reached through the loopback address, and opens / closes the session on all of
+    `urls`; `engines` is this node's `EngineSet`, None on ranks that start none)."""
     from megatron_rl.rollout.engine import engine_backend
     from megatron_rl.weight_sync.sender import WeightSyncSender
 
     r, ws = cfg.rollout, cfg.weight_sync
 
+    def client(u: str):
+        return engine_backend(r.backend).client(u, api_key=r.api_key, admin_api_key=r.admin_api_key,
+                                                timeout_s=60.0, generate_timeout_s=r.timeout_s)
+
     def make(urls: list[str], group_name: str):
-        clients = [engine_backend(r.backend).client(u, api_key=r.api_key, admin_api_key=r.admin_api_key,
-                                                          timeout_s=60.0, generate_timeout_s=r.timeout_s)
-                   for u in urls]
+        clients = [client(u) for u in urls]
         if colocation is not None:
             from megatron_rl.weight_sync.colocated import ColocatedWeightSender
 
-            return ColocatedWeightSender(clients, memory=colocation.engines, bucket_size_mib=ws.bucket_size_mib,
+            mine = dict(zip(engines.advertised_urls(), engines.local_urls())) if engines is not None else {}
+            return ColocatedWeightSender([client(mine[u]) for u in urls if u in mine], control_clients=clients,
+                                         memory=colocation.engines, bucket_size_mib=ws.bucket_size_mib,
                                          timeout_s=ws.timeout_s, load_format=ws.load_format)
         return WeightSyncSender(clients, master_address=ws.master_address,
                                 master_port=ws.master_port if group_name == "weight_update_group" else None,
@@ -306,15 +314,43 @@ def _sender_factory(cfg: Config, engines, colocation=None):
     return make
 
 
-def _connect_controller(run: Run, stack: contextlib.ExitStack) -> None:
-    """Controller: engines, rollout manager + reward pool, producer, metrics writer."""
+def _node_engine_urls(run: Run, engines) -> list[str]:
+    """Colocated runs on several nodes (collective): the URLs of the engines of nodes other than
+    the controller's, as the controller reaches them; [] otherwise.
+
+    Raises:
+        RolloutServerError: a node's engines did not come up (every rank raises, naming the node).
+    """
+    from megatron_rl.errors import RolloutServerError
+
+    if not (run.cfg.rollout.colocate and run.pgs.world_size > 1):
+        return []
+    import torch.distributed as dist
+
+    mine, error = [], None
+    if engines is not None and not run.is_controller:
+        try:
+            mine = engines.advertised_urls()
+        except Exception as e:  # noqa: BLE001 - shared: every rank raises it
+            error = f"node {engines.node.node_rank}: {type(e).__name__}: {e}"
+    everyone: list = [None] * run.pgs.world_size
+    dist.all_gather_object(everyone, (mine, error))
+    errors = [e for _, e in everyone if e]
+    if errors:
+        raise RolloutServerError("colocated engines did not come up: " + "; ".join(errors))
+    return [u for urls, _ in everyone for u in urls]
+
+
+def _connect_controller(run: Run, stack: contextlib.ExitStack, remote_urls=()) -> None:
+    """Controller: engines (`remote_urls`: other nodes' colocated ones), rollout manager + reward
+    pool, producer, metrics writer."""
     from megatron_rl.metrics.writer import MetricsWriter
     from megatron_rl.rewards.pool import RewardPool
     from megatron_rl.rollout.manager import RolloutManager
     from megatron_rl.trainer.producer import RolloutProducer
 
     cfg, r = run.cfg, run.cfg.rollout
-    fleet = run.engines.connect()
+    fleet = run.engines.connect(remote_urls)
     pool = stack.enter_context(RewardPool(cfg.reward.num_workers, cfg.reward.timeout_s))
     ob = cfg.reward.overlong_buffer
     eos = {run.tokenizer.eos_token_id} if run.tokenizer.eos_token_id is not None else set()
@@ -345,17 +381,22 @@ def build_run(cfg: Config, stack: contextlib.ExitStack, rank: int, t_start: floa
     from megatron_rl.algorithms.daa import DifficultyTracker
     from megatron_rl.data.dataset import PromptDataset
     from megatron_rl.models.builder import use_te_for
+    from megatron_rl.parallel.nodes import node_info
     from megatron_rl.rollout.engine_set import EngineSet
     from megatron_rl.weight_sync.publisher import WeightPublisher
 
     run_dir = Path(cfg.run_dir)
-    if rank == 0:  # engines start now, in the background, and come up while the model is built
-        engines = EngineSet(cfg)
+    node = node_info()
+    engines = None  # the controller's; with colocation on several nodes also every node leader's
+    if rank == 0 or (cfg.rollout.colocate and node.nnodes > 1 and node.is_leader):
+        engines = EngineSet(cfg, node)  # start now, in the background, and come up while the model is built
         stack.callback(engines.stop)
     run = Run(cfg=cfg, run_dir=run_dir, rank=rank, pgs=_init_parallel(cfg, stack), t_start=t_start,
               summary={"run_dir": str(run_dir.resolve()), "config": config_to_dict(cfg)})
     if run.is_controller:
         run.engines = engines
+    else:
+        run.node_engines = engines
         save_config(cfg, run_dir / "config.yaml")
         for hint in layout_hints(cfg.trainer, run.pgs.dp_size, use_te_for(cfg.trainer.transformer_impl)):
             logger.warning(hint)
@@ -367,15 +408,17 @@ def build_run(cfg: Config, stack: contextlib.ExitStack, rank: int, t_start: floa
     run.tracker = DifficultyTracker(a0=cfg.algorithm.daa.prior_a, b0=cfg.algorithm.daa.prior_b,
                                     history_decay=cfg.algorithm.daa.history_decay)
     _restore(run)
+    remote_urls = _node_engine_urls(run, engines)
     if run.is_controller:
-        _connect_controller(run, stack)
+        _connect_controller(run, stack, remote_urls)
     if cfg.rollout.colocate:  # issue 17: engines on the trainer's devices (trainer/offload.py)
         from megatron_rl.trainer.offload import setup_colocation
 
         run.colocation = setup_colocation(run)
     run.publisher = WeightPublisher(
-        run.model, run.hf_config, run.pgs, sender_factory=_sender_factory(cfg, run.engines, run.colocation),
+        run.model, run.hf_config, run.pgs, sender_factory=_sender_factory(cfg, engines, run.colocation),
         fleet=run.engines.fleet if run.is_controller else None,
-        check_checksums=cfg.weight_sync.check_checksums, run_dir=run_dir, pause_mode=cfg.rollout.pause_mode)
+        check_checksums=cfg.weight_sync.check_checksums, run_dir=run_dir, pause_mode=cfg.rollout.pause_mode,
+        node_sources=cfg.rollout.colocate, node_leader=node.is_leader)
     stack.callback(run.publisher.close)
     return run

@@ -176,9 +176,12 @@ class ColocatedWeightSender:
       (into the buffer, out of it).
 
     Args:
-        clients: the engines' clients.
+        clients: the clients of the engines this process hands tensors to (its own node's,
+            through the loopback address); may be empty on a node whose engines are all down.
+        control_clients: the engines whose sessions this process opens and closes (the
+            controller: every node's engines); default `clients`.
         memory: the controller's `EngineMemory` (resume weights before, KV after), None on a
-            stage source that is not the controller.
+            source that is not the controller.
         bucket_size_mib: bytes per bucket (each of the `buffers` reusable buffers has this size).
         timeout_s: timeout of each HTTP call, seconds.
         dtype: the engines' weight dtype; None reads `/model_info`.
@@ -194,13 +197,14 @@ class ColocatedWeightSender:
         load_format: "flattened_bucket" (the default here) or None / "direct" (named tensors, above).
 
     Raises:
-        ValueError: no clients, `buffers` not 1 or 2, or an unknown `load_format`.
+        ValueError: no clients at all, `buffers` not 1 or 2, or an unknown `load_format`.
     """
 
-    def __init__(self, clients: list["RolloutClient"], *, memory: Optional[EngineMemory] = None,
+    def __init__(self, clients: list["RolloutClient"], *, control_clients: Optional[list["RolloutClient"]] = None,
+                 memory: Optional[EngineMemory] = None,
                  bucket_size_mib: float = 512.0, timeout_s: float = 600.0, dtype: torch.dtype | None = None,
                  keep_buffer: bool = False, buffers: int = 1, load_format: Optional[str] = "flattened_bucket") -> None:
-        if not clients:
+        if not clients and not control_clients:
             raise ValueError("ColocatedWeightSender needs at least one rollout client")
         if buffers not in (1, 2):
             raise ValueError(f"ColocatedWeightSender: buffers must be 1 or 2, got {buffers}")
@@ -210,6 +214,7 @@ class ColocatedWeightSender:
         self.load_format = load_format
         self.buffers = buffers
         self.clients = list(clients)
+        self.control_clients = list(control_clients) if control_clients is not None else self.clients
         self.memory = memory
         self.bucket_size_mib = bucket_size_mib
         self.timeout_s = timeout_s
@@ -233,8 +238,9 @@ class ColocatedWeightSender:
     def init_group(self) -> None:
         """No group to create: read the engines' weight dtype (`/model_info`)."""
         if self.dtype is None:
+            first = (self.clients or self.control_clients)[0]
             try:
-                self.dtype = server_weight_dtype(self.clients[0].model_info(), url=self.clients[0].base_url)
+                self.dtype = server_weight_dtype(first.model_info(), url=first.base_url)
             except RolloutServerError as e:
                 raise WeightSyncError(f"cannot read the engines' dtype: {e}") from e
         self._ready = True
@@ -245,7 +251,7 @@ class ColocatedWeightSender:
         try:
             if self.memory is not None:
                 self.memory.resume("weights")
-            for c in self.clients:
+            for c in self.control_clients:
                 c.pause_generation(pause_mode)
                 c.begin_weight_update(timeout_s=self.timeout_s)
         except RolloutServerError as e:
@@ -404,25 +410,25 @@ class ColocatedWeightSender:
         `flush_refusal_ok` never applies, nothing is in flight in colocated mode)."""
         weight_version = str(weight_version)
         try:
-            for c in self.clients:
+            for c in self.control_clients:
                 c.end_weight_update(timeout_s=self.timeout_s)
             if self.memory is not None:
                 self.memory.resume("kv_cache")
-            for c in self.clients:
+            for c in self.control_clients:
                 c.flush_cache(timeout_s=min(30.0, self.timeout_s))
-            stale = [(c.base_url, v) for c in self.clients if (v := c.weight_version()) != weight_version]
+            stale = [(c.base_url, v) for c in self.control_clients if (v := c.weight_version()) != weight_version]
             if stale:
                 raise WeightSyncError(f"engines report a weight_version other than {weight_version!r}: {stale}")
             if before_continue is not None:
                 before_continue()
-            for c in self.clients:
+            for c in self.control_clients:
                 c.continue_generation()
         except RolloutServerError as e:
             raise WeightSyncError(f"closing the colocated weight update failed: {e}") from e
 
     def close_session_after_error(self) -> None:
         """Close the open session on every engine after a failed hand-over (best effort)."""
-        for c in self.clients:
+        for c in self.control_clients:
             try:
                 c.end_weight_update(timeout_s=min(30.0, self.timeout_s))
             except RolloutServerError as e:

@@ -26,6 +26,12 @@ continue; `in_place`: they stay frozen and continue on the new weights, their KV
 flush refused for them is not an error), updates, flushes and continues. Both modes tell the fleet's `GenerationGate` (when there is one)
 when the pause begins and ends and which version the engines hold (before the continue). The
 default path (`live=False`) sends exactly the synchronous sync's calls.
+
+Colocated runs (`node_sources=True`, issue 17): the sources are the nodes' local rank 0, each
+handing the whole model (pipeline_model_parallel_size 1) to its own node's engines by IPC
+handles at the same time as the others (step 4 is one round, its reports gathered); the other
+ranks of each source's TP group take part in its gathers. The controller still alone opens and
+closes the session on every engine of every node.
 """
 
 from __future__ import annotations
@@ -92,10 +98,18 @@ class WeightPublisher:
         check_checksums: verify every tensor on every engine after each sync (slow; tests/debug).
         run_dir: named in the error that stops the run.
         pause_mode: how a live update pauses the engines (`rollout.pause_mode`): `abort` or `in_place`.
+        node_sources: colocated mode: every node's local rank 0 (`node_leader`) is a source and
+            feeds its own node's engines (module docstring).
+        node_leader: this rank is its node's local rank 0 (used with `node_sources`).
+
+    Raises:
+        ValueError: a bad `pause_mode`; with `node_sources`, a node leader that is not TP rank 0
+            (a TP group spanning nodes).
     """
 
     def __init__(self, model, hf_config: dict, pgs, *, sender_factory, fleet=None,
-                 check_checksums: bool = False, run_dir=None, pause_mode: str = "abort") -> None:
+                 check_checksums: bool = False, run_dir=None, pause_mode: str = "abort",
+                 node_sources: bool = False, node_leader: bool = False) -> None:
         if pause_mode not in ("abort", "in_place"):
             raise ValueError(f"pause_mode must be 'abort' or 'in_place', got {pause_mode!r}")
         self.model = model
@@ -108,6 +122,12 @@ class WeightPublisher:
         self.is_controller = pgs.rank == 0
         self.in_first_replica = pgs.dp_rank == 0 and pgs.cp_rank == 0
         self.is_source = self.in_first_replica and pgs.tp_rank == 0
+        self.node_sources = node_sources
+        if node_sources:
+            if node_leader and pgs.tp_rank != 0:
+                raise ValueError(f"rank {pgs.rank} is its node's local rank 0 but TP rank {pgs.tp_rank}: colocated "
+                                 "mode needs each tensor-parallel group inside one node")
+            self.is_source = node_leader
         self.pause_mode = pause_mode
         self._live: tuple[bool, int | None] = (False, None)
         self._stale_aborted = 0
@@ -117,10 +137,14 @@ class WeightPublisher:
         self.sources = self._source_ranks()
 
     def _source_ranks(self) -> list[int]:
-        """Global rank of every stage's source, by stage (the same list on every rank)."""
+        """Global rank of every stage's source, by stage (the same list on every rank); with
+        `node_sources`, every node leader's, by rank."""
         mine = (self.pgs.pp_rank, self.pgs.rank) if self.is_source else None
+        self._tp_source = self.pgs.rank
         if self.pgs.world_size == 1:
             return [0]
+        if self.pgs.tp_size > 1:
+            self._tp_source = dist.get_global_rank(self.pgs.tp, 0)
         everyone: list = [None] * self.pgs.world_size
         dist.all_gather_object(everyone, mine)
         return [rank for _, rank in sorted(x for x in everyone if x is not None)]
@@ -213,7 +237,16 @@ class WeightPublisher:
         if error is None:
             error = self._from(0, self._open_session() if self.is_controller else None)
         stats: list[dict] = []
-        for stage, src in enumerate(self.sources):
+        if self.node_sources and error is None:  # colocated: every node leader feeds its engines at once
+            report = None
+            if self.is_source:
+                report = self._send_stage(0, plan, last=True)
+            elif self._tp_source in self.sources:
+                self._take_part()
+            reports = self._gathered(report)
+            error = next((r.error for r in reports if r is not None and r.error is not None), None)
+            stats = [r.stats or {} for r in reports if r is not None]
+        for stage, src in enumerate([] if self.node_sources else self.sources):
             if error is not None:
                 break
             report = None
@@ -234,6 +267,14 @@ class WeightPublisher:
         if error is not None:
             return {}, error
         return self._metrics(stats, checked, time.perf_counter() - t0), None
+
+    def _gathered(self, mine) -> list:
+        """Every rank's `mine`, by rank (a world of one: `[mine]`)."""
+        if self.pgs.world_size == 1:
+            return [mine]
+        everyone: list = [None] * self.pgs.world_size
+        dist.all_gather_object(everyone, mine)
+        return everyone
 
     def _shared_error(self, mine: str | None) -> str | None:
         """The first error of any rank (every rank gets the same answer)."""
@@ -292,13 +333,15 @@ class WeightPublisher:
                 except RolloutServerError as e:
                     logger.warning("aborting stale request %s on %s failed: %s", rid, client.base_url, e)
 
-    def _send_stage(self, stage: int, plan: SyncPlan) -> StageReport:
-        """This stage's source: send the stage's tensors (the TP peers gather along in `_take_part`)."""
+    def _send_stage(self, stage: int, plan: SyncPlan, *, last: bool | None = None) -> StageReport:
+        """This stage's source: send the stage's tensors (the TP peers gather along in `_take_part`);
+        the version label goes with the last stage's (`last`, default: this is the last stage)."""
         weights = self._stage_weights()
         if self.check:
             self._expected = {}
             weights = self.sender.checksums(weights, self._expected)
-        last = stage == len(self.sources) - 1
+        if last is None:
+            last = stage == len(self.sources) - 1
         try:
             stats = self.sender.send(weights, weight_version=str(plan.version) if last else None)
         except Exception as e:  # noqa: BLE001 - shared with every rank, see _ensure_group
@@ -367,7 +410,7 @@ class WeightPublisher:
         if self.fleet is not None:
             metrics["rollout/server_restarts"] = self.fleet.restarts
             metrics["rollout/servers_up"] = len(self.fleet.up_clients())
-        logger.info("weight sync: %d tensors, %.1f MiB in %d buckets from %d stage(s), %.2f s",
+        logger.info("weight sync: %d tensors, %.1f MiB in %d buckets from %d source(s), %.2f s",
                     s["num_tensors"], s["bytes"] / 2**20, s["num_buckets"], len(self.sources), elapsed)
         return metrics
 
@@ -375,5 +418,6 @@ class WeightPublisher:
         """Destroy this rank's group (stage sources), stop the sender's threads, close its clients."""
         if self.sender is not None:
             self.sender.close()
-            for client in self.sender.clients:
+            clients = {id(c): c for c in [*self.sender.clients, *getattr(self.sender, "control_clients", [])]}
+            for client in clients.values():
                 client.close()
