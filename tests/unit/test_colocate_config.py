@@ -32,8 +32,8 @@ def test_memory_fraction_and_tp_aliases():
      r"rollout.num_servers: 3 engines .* = 2 devices groups hold at most 2"),
     (["trainer.nproc_per_node=3", "rollout.tp_size=2"], "rollout.tp_size 2 must divide trainer.nproc_per_node 3"),
     (["rollout.backend=vllm-embedded"], "rollout.colocate: true with rollout.backend=vllm-embedded"),
-    (["trainer.nproc_per_node=4", "trainer.tensor_model_parallel_size=8"],
-     "trainer.tensor_model_parallel_size 8 must divide trainer.nproc_per_node 4 with rollout.colocate: true"),
+    (["trainer.nproc_per_node=3", "trainer.tensor_model_parallel_size=2"],
+     "trainer.tensor_model_parallel_size 2 must divide trainer.nproc_per_node 3 with rollout.colocate: true"),
     (["rollout.server_urls=[http://127.0.0.1:30000]"],
      r"rollout.server_urls: 1 running server\(s\) with rollout.colocate: true; .* unset rollout.server_urls"),
 ])
