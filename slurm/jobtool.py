@@ -349,13 +349,13 @@ def check_job(
             f"trainer.context_parallel_size {t.context_parallel_size} = {mp}"
         )
     if cfg.rollout.colocate:
-        # `megatron-rl train` starts the engines itself on its own node's devices, and only the
-        # controller's process tree may hand weights over (docs/COLOCATE.md): one node, no rollout step
-        if total_nodes != 1 or rollout_nodes != 0:
+        # `megatron-rl train` starts the engines itself: each trainer node's local rank 0 starts
+        # rollout.num_servers on its node's devices and feeds them (docs/COLOCATE.md): no rollout step
+        if rollout_nodes != 0:
             raise JobConfigError(
-                f"rollout.colocate: true runs on one node (the trainer starts the engines on its own devices); the "
-                f"job has {total_nodes} node(s) with ROLLOUT_NODES={rollout_nodes}: submit with --nodes=1 and "
-                "ROLLOUT_NODES=0, or set rollout.colocate=false for separate rollout nodes")
+                f"rollout.colocate: true runs the engines on the trainer's own nodes (each node's local rank 0 starts "
+                f"rollout.num_servers of them); the job has ROLLOUT_NODES={rollout_nodes}: submit with "
+                "ROLLOUT_NODES=0 (every node trains), or set rollout.colocate=false for separate rollout nodes")
         per_node = cfg.rollout.num_servers
     elif device == "gpu":
         if rollout_tp_size < 1 or gpus_per_node % rollout_tp_size:

@@ -332,19 +332,20 @@ def test_async_recipe_passes_the_job_checks(tmp_path):
 
 
 def test_colocated_recipe_is_one_node_without_a_rollout_step(tmp_path):
-    """rollout.colocate (issue 17): the trainer starts its rollout.num_servers engines itself, so the
-    job is one node with ROLLOUT_NODES=0 (allowed on GPUs here, unlike the disaggregated recipes);
-    more nodes or rollout nodes are refused naming the settings."""
+    """rollout.colocate (issue 17): the trainer starts rollout.num_servers engines on each of its
+    nodes itself, so the job has ROLLOUT_NODES=0 (allowed on GPUs here, unlike the disaggregated
+    recipes), on one node or several; rollout nodes are refused naming the setting."""
     files = _fake_model_files(tmp_path, "qwen2.5-7b")
     recipe = str(REPO / "examples/qwen2.5-7b/dapo-colocate.yaml")
     out = _check(config=recipe, overrides=files, total_nodes=1, trainer_nodes=1, rollout_nodes=0, rollout_tp_size=2)
     assert (out["colocate"], out["engines"], out["trainer_world"]) == (1, 4, 8)
     assert out["trainer_backend"] == "sglang"
-    with pytest.raises(jobtool.JobConfigError, match=r"rollout.colocate: true runs on one node .* 2 node\(s\) with "
-                                                     r"ROLLOUT_NODES=1: submit with --nodes=1 and ROLLOUT_NODES=0"):
+    with pytest.raises(jobtool.JobConfigError, match=r"rollout.colocate: true runs the engines on the trainer's own "
+                                                     r"nodes .* ROLLOUT_NODES=1: submit with ROLLOUT_NODES=0"):
         _check(config=recipe, overrides=files, total_nodes=2, trainer_nodes=1, rollout_nodes=1, rollout_tp_size=2)
-    with pytest.raises(jobtool.JobConfigError, match=r"2 node\(s\) with ROLLOUT_NODES=0"):
-        _check(config=recipe, overrides=files, total_nodes=2, trainer_nodes=2, rollout_nodes=0, rollout_tp_size=2)
+    # two nodes colocated: 4 engines on each, 16 trainer ranks
+    out = _check(config=recipe, overrides=files, total_nodes=2, trainer_nodes=2, rollout_nodes=0, rollout_tp_size=2)
+    assert (out["colocate"], out["engines"], out["engines_per_node"], out["trainer_world"]) == (1, 8, 4, 16)
     # the config is checked with trainer.nproc_per_node=GPUS_PER_NODE, as train.sbatch passes it:
     # 4 engines of TP 2 do not fit on 4 GPUs
     with pytest.raises(jobtool.JobConfigError, match=r"4 engines with rollout.colocate: true, but trainer.nproc_per_node 4"):
