@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from megatron_rl.weight_sync.colocated import EngineMemory, PhaseLog
+from megatron_rl.weight_sync.colocated import EngineMemory, PhaseLog, wait_device_freed
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,9 @@ class Colocation:
     """
 
     def __init__(self, offload: TrainerOffload, engines: Optional[EngineMemory], log: PhaseLog, barrier,
-                 node_engines=None, nnodes: int = 1) -> None:
+                 node_engines=None, nnodes: int = 1, wait_freed=None) -> None:
+        self.wait_freed = wait_freed
+        """A node leader other than the controller, GPU only: waits until its device is freed."""
         self.offload = offload
         self.engines = engines
         self.log = log
@@ -101,6 +103,8 @@ class Colocation:
         if self.engines is not None:
             self.engines.release()
         self.barrier()
+        if self.wait_freed is not None:  # pragma: no cover - GPU only
+            self.wait_freed()
         self.log.run("trainer_onload", self.offload.onload)
 
     def after_train(self) -> None:
@@ -122,9 +126,16 @@ def setup_colocation(run) -> Colocation:
     until it is below `rollout.mem_fraction_static` x the device's memory, N11), the barrier."""
     from megatron_rl.parallel.control import broadcast_object
 
+    from megatron_rl.parallel.nodes import node_info
+
     log = PhaseLog()
-    engines = None
-    if run.is_controller:
+    engines, wait_freed = None, None
+    poll, threshold = None, 0.0
+    if torch.cuda.is_available():  # pragma: no cover - GPU only
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
+        threshold = (run.cfg.rollout.mem_fraction_static or 0.5) * total
+        poll = lambda: torch.cuda.device_memory_used() / 2**30  # noqa: E731
+    if run.is_controller or run.node_engines is not None:  # each node's leader: its own /dev/shm
         from megatron_rl.weight_sync.ipc import sweep_orphan_segments
 
         orphans = sweep_orphan_segments()
@@ -132,16 +143,13 @@ def setup_colocation(run) -> Colocation:
             logger.warning("removed %d shared-memory segment(s) of processes that are gone (%.1f MiB in /dev/shm, "
                            "e.g. a colocated run killed with its torch_shm_manager): %s", len(orphans),
                            sum(b for _, b in orphans) / 2**20, [n for n, _ in orphans[:5]])
-        poll, threshold = None, 0.0
-        if torch.cuda.is_available():  # pragma: no cover - GPU only
-            total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / 2**30
-            threshold = (run.cfg.rollout.mem_fraction_static or 0.5) * total
-            poll = lambda: torch.cuda.device_memory_used() / 2**30  # noqa: E731
+    if run.is_controller:
         engines = EngineMemory(lambda: run.engines.fleet.up_clients(), log, release_poll=poll,
                                release_threshold_gib=threshold)
-    from megatron_rl.parallel.nodes import node_info
-
+    elif run.node_engines is not None and poll is not None:  # pragma: no cover - GPU only
+        what = f"node {run.node_engines.node.node_rank}'s engines"
+        wait_freed = lambda: wait_device_freed(poll, threshold, what=what)  # noqa: E731
     world = run.pgs.world_size
     return Colocation(TrainerOffload(run.ddp_model, run.optimizer), engines, log,
                       barrier=lambda: broadcast_object(None, src=0, world_size=world),
-                      node_engines=run.node_engines, nnodes=node_info().nnodes)
+                      node_engines=run.node_engines, nnodes=node_info().nnodes, wait_freed=wait_freed)

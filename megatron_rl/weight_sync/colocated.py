@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ColocatedWeightSender", "EngineMemory", "PhaseLog", "memory_gib"]
+__all__ = ["ColocatedWeightSender", "EngineMemory", "PhaseLog", "memory_gib", "wait_device_freed"]
 
 GIB = float(2**30)
 
@@ -86,6 +86,26 @@ class PhaseLog:
         return out
 
 
+def wait_device_freed(poll: Callable[[], float], threshold_gib: float, *, what: str, max_polls: int = 60,
+                      poll_interval_s: float = 1.0) -> None:
+    """Poll `poll()` (device GiB in use) until it is below `threshold_gib` (a release may return
+    before the memory is free: slime #579).
+
+    Raises:
+        WeightSyncError: still at or above the threshold after `max_polls` polls (names `what`
+            and the last reading).
+    """
+    reading = poll()
+    for _ in range(max_polls):
+        if reading < threshold_gib:
+            return
+        time.sleep(poll_interval_s)
+        reading = poll()
+    if reading >= threshold_gib:
+        raise WeightSyncError(f"{what} released their memory but the device still uses {reading:.1f} GiB "
+                              f"(>= {threshold_gib:.1f} GiB) after {max_polls} polls")
+
+
 class EngineMemory:
     """The controller's view of what the colocated engines hold, and the release / resume calls.
 
@@ -134,16 +154,10 @@ class EngineMemory:
         self.log.run("engine_release", run)
 
     def _wait_freed(self) -> None:
-        reading = self.release_poll()
-        for _ in range(self.max_polls):
-            if reading < self.release_threshold_gib:
-                return
-            time.sleep(self.poll_interval_s)
-            reading = self.release_poll()
-        if reading >= self.release_threshold_gib:
-            urls = ", ".join(c.base_url for c in self.clients())
-            raise WeightSyncError(f"engines {urls} released their memory but the device still uses {reading:.1f} GiB "
-                                  f"(>= {self.release_threshold_gib:.1f} GiB) after {self.max_polls} polls")
+        wait_device_freed(self.release_poll, self.release_threshold_gib,
+                          what="engines " + ", ".join(c.base_url for c in self.clients()),
+                          max_polls=self.max_polls, poll_interval_s=self.poll_interval_s)
+
 
     def resume(self, tag: str) -> None:
         """Resume `tag` ("weights" or "kv_cache") on every engine, if it was released."""
