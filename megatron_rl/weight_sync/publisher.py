@@ -52,6 +52,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["SyncPlan", "StageReport", "WeightPublisher", "stage_group_name"]
 
 _SUM_KEYS = ("bytes", "num_buckets", "num_tensors", "broadcast_time_s", "prepare_time_s", "load_time_s")
+_TIME_KEYS = ("broadcast_time_s", "prepare_time_s", "load_time_s")
 
 
 def stage_group_name(stage: int) -> str:
@@ -403,6 +404,8 @@ class WeightPublisher:
         if not self.is_controller:
             return {}
         s = {k: float(sum(st.get(k, 0.0) for st in stats)) for k in _SUM_KEYS}
+        if self.node_sources:  # the nodes hand over at the same time: the wall-time parts are the slowest node's
+            s.update({k: float(max((st.get(k, 0.0) for st in stats), default=0.0)) for k in _TIME_KEYS})
         send_s = s["broadcast_time_s"] + s["load_time_s"] + s["prepare_time_s"]
         metrics = {**sync_metrics(s, elapsed, control_s=max(elapsed - send_s, 0.0)), **checked}
         if self._live[0]:
