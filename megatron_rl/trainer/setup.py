@@ -395,11 +395,11 @@ def build_run(cfg: Config, stack: contextlib.ExitStack, rank: int, t_start: floa
               summary={"run_dir": str(run_dir.resolve()), "config": config_to_dict(cfg)})
     if run.is_controller:
         run.engines = engines
-    else:
-        run.node_engines = engines
         save_config(cfg, run_dir / "config.yaml")
         for hint in layout_hints(cfg.trainer, run.pgs.dp_size, use_te_for(cfg.trainer.transformer_impl)):
             logger.warning(hint)
+    else:
+        run.node_engines = engines
     torch.manual_seed(cfg.trainer.seed)
     _load_data(run)
     _build_policy(run)

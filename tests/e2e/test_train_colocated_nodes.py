@@ -90,6 +90,7 @@ def test_two_nodes_colocated_equal_one_node_disaggregated(one_node, tmp_path):
     got = _rows(run_dir)
     _same(got, one_node)
     assert all(row["rollout/servers_up"] == 2 for row in got.values())
+    assert (run_dir / "config.yaml").is_file() and (run_dir / "train_rank1.log").is_file()
     # each node leader hands over the whole model (the one-node run broadcasts it once to both engines)
     assert all(row["weight_sync/num_tensors"] == 2 * one_node[s]["weight_sync/num_tensors"] for s, row in got.items())
     for node in (0, 1):  # each engine: the first sync plus one a step, released and resumed around each update
