@@ -126,23 +126,33 @@ class EngineSet:
         return list(self._launch.result()) if self._launch is not None else []
 
     def advertised_urls(self) -> list[str]:
-        """URLs of this node's engines as the controller reaches them: on node 0 (the controller's)
-        `local_urls()`, on node k > 0 this host's address towards `MASTER_ADDR`."""
+        """URLs of this node's engines as every node reaches them: with colocation on several
+        nodes, this host's address towards `MASTER_ADDR` (also on the controller's node: the URL
+        list goes to every node, where 127.0.0.1 would name the wrong host); otherwise `local_urls()`."""
         urls = self.local_urls()
-        if not self.multinode or self.node.node_rank == 0:
+        if not self.multinode:
             return urls
         host = node_address(os.environ.get("MASTER_ADDR", "127.0.0.1"))
         return [f"http://{host}:{server.port}" for server in self.processes]
 
+    def _answers(self, server) -> bool:
+        """Whether a running engine answers `/health` within 5 s (a hung one is restarted too)."""
+        client = server.client(timeout_s=5.0, max_retries=0)
+        try:
+            return client.is_healthy(timeout_s=5.0)
+        finally:
+            client.close()
+
     def restart_dead(self) -> int:
-        """A node leader (not the controller): restart this node's engines that exited, within
+        """A node leader (not the controller): restart this node's engines that exited or stopped
+        answering `/health` (stopped first, as the controller's fleet does), within
         `rollout.max_server_restarts` for this node; returns how many were restarted. An engine
         past the budget stays down (the controller's fleet runs without it) and is logged."""
         from megatron_rl.errors import RolloutServerError
 
         restarted = 0
         for i, server in enumerate(self.processes):
-            if server.process.poll() is None:
+            if server.process.poll() is None and self._answers(server):
                 continue
             if self.restarts >= self.cfg.rollout.max_server_restarts:
                 logger.error("node %d: rollout server %d is dead and the restart budget is spent "
@@ -176,9 +186,17 @@ class EngineSet:
         """
         from megatron_rl.rollout.fleet import ServerFleet
 
+        from megatron_rl.errors import RolloutServerError
+
         r = self.cfg.rollout
-        urls = self._launch.result() if self._launch is not None else list(r.server_urls)
-        self.clients = [self.client(u) for u in [*urls, *remote_urls]]
+        urls = (self.advertised_urls() if self._launch is not None else list(r.server_urls))
+        everyone = [*urls, *remote_urls]
+        repeated = sorted({u for u in everyone if everyone.count(u) > 1})
+        if repeated:
+            raise RolloutServerError(f"colocated engines of different nodes answer at the same URL(s) {repeated}: two "
+                                     "nodes on one host with fixed rollout.server_ports? Unset rollout.server_ports "
+                                     "or give each host its own")
+        self.clients = [self.client(u) for u in everyone]
         processes = ([*self.processes, *[None] * len(remote_urls)] if self._launch is not None else None)
         self.fleet = ServerFleet(self.clients, processes, max_restarts=r.max_server_restarts)
         return self.fleet

@@ -139,7 +139,14 @@ class ServerFleet:
                 logger.warning("rollout server %d dropped until the next weight sync; its requests go to the "
                                "%d other server(s)", index, sum(self._up))
                 return
-            self._restart(index, error)
+            # restart this server, or, when this run cannot restart it (another node's colocated
+            # engine, a given URL), a down one it can: restarting any server beats stopping the run
+            target = index if self.processes[index] is not None else next(
+                (i for i, p in enumerate(self.processes) if p is not None), index)
+            if target != index:
+                logger.warning("rollout server %d cannot be restarted by this process; restarting rollout server %d "
+                               "(%s) instead", index, target, self.clients[target].base_url)
+            self._restart(target, error)
             clients = self.up_clients()
             if self._resync is None:
                 raise RolloutServerError("a rollout server was restarted but there is no weight sync to re-sync it")

@@ -88,7 +88,10 @@ class Colocation:
     """
 
     def __init__(self, offload: TrainerOffload, engines: Optional[EngineMemory], log: PhaseLog, barrier,
-                 node_engines=None, nnodes: int = 1, wait_freed=None) -> None:
+                 node_engines=None, nnodes: int = 1, wait_freed=None, gather=None) -> None:
+        self.gather = gather
+        """`gather(x) -> [x of every rank]` (collective); used on several nodes."""
+        self.node_restarts = 0
         self.wait_freed = wait_freed
         """A node leader other than the controller, GPU only: waits until its device is freed."""
         self.offload = offload
@@ -110,10 +113,14 @@ class Colocation:
     def after_train(self) -> None:
         """This rank offloads (before any engine resumes: the publisher runs after this)."""
         self.log.run("trainer_offload", self.offload.offload)
-        if self.nnodes > 1:
-            if self.node_engines is not None:
-                self.node_engines.restart_dead()
-            self.barrier()
+        if self.nnodes > 1:  # the gather is the barrier: the controller's sync then finds them up
+            restarted = sum(self.gather(self.node_engines.restart_dead() if self.node_engines is not None else 0))
+            if self.engines is not None:  # the controller: say so in its own log and metrics
+                if restarted:
+                    logger.warning("%d rollout engine(s) on other nodes were restarted by their node's local rank 0 "
+                                   "(see train_rank<k>.log)", restarted)
+                self.node_restarts += restarted
+                self.log.metrics["colocate/node_engine_restarts"] = float(self.node_restarts)
 
     def metrics(self) -> dict[str, float]:
         """The step's `colocate/*` metrics (and forget them)."""
@@ -150,6 +157,15 @@ def setup_colocation(run) -> Colocation:
         what = f"node {run.node_engines.node.node_rank}'s engines"
         wait_freed = lambda: wait_device_freed(poll, threshold, what=what)  # noqa: E731
     world = run.pgs.world_size
+
+    def gather(x):
+        import torch.distributed as dist
+
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, x)
+        return everyone
+
     return Colocation(TrainerOffload(run.ddp_model, run.optimizer), engines, log,
                       barrier=lambda: broadcast_object(None, src=0, world_size=world),
-                      node_engines=run.node_engines, nnodes=node_info().nnodes, wait_freed=wait_freed)
+                      node_engines=run.node_engines, nnodes=node_info().nnodes, wait_freed=wait_freed,
+                      gather=gather if world > 1 else (lambda x: [x]))

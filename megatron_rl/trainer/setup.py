@@ -387,6 +387,14 @@ def build_run(cfg: Config, stack: contextlib.ExitStack, rank: int, t_start: floa
 
     run_dir = Path(cfg.run_dir)
     node = node_info()
+    tp = cfg.trainer.tensor_model_parallel_size
+    if cfg.rollout.colocate and node.local_world_size % tp:
+        from megatron_rl.errors import ConfigError
+
+        raise ConfigError(f"trainer.tensor_model_parallel_size {tp} must divide the {node.local_world_size} trainer "
+                          "rank(s) torchrun started on this node (LOCAL_WORLD_SIZE) with rollout.colocate: true (each "
+                          "node's local rank 0 gathers the model with its TP group, which must not span nodes); set "
+                          "trainer.nproc_per_node to torchrun's --nproc-per-node")
     engines = None  # the controller's; with colocation on several nodes also every node leader's
     if rank == 0 or (cfg.rollout.colocate and node.nnodes > 1 and node.is_leader):
         engines = EngineSet(cfg, node)  # start now, in the background, and come up while the model is built

@@ -250,9 +250,10 @@ class ColocatedWeightSender:
         return self._ready
 
     def init_group(self) -> None:
-        """No group to create: read the engines' weight dtype (`/model_info`)."""
-        if self.dtype is None:
-            first = (self.clients or self.control_clients)[0]
+        """No group to create: read the engines' weight dtype (`/model_info` of this node's first
+        engine; none to read on a node whose engines are all down: it sends nothing)."""
+        if self.dtype is None and self.clients:
+            first = self.clients[0]
             try:
                 self.dtype = server_weight_dtype(first.model_info(), url=first.base_url)
             except RolloutServerError as e:

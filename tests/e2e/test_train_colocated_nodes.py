@@ -121,4 +121,5 @@ def test_node_leader_restarts_its_dead_engine(one_node, tmp_path):
     assert "node 1: restarting rollout server 0" in (run_dir / "train_rank1.log").read_text()
     assert node1.read_text().count("megatron_rl.engine.server: loading") == 2  # started, then restarted
     assert _rows(run_dir)[STEPS]["rollout/servers_up"] == 2
+    assert _rows(run_dir)[STEPS]["colocate/node_engine_restarts"] == 1  # the controller counts node 1's restart
     assert _no_server_left(run_dir)

@@ -149,3 +149,19 @@ def test_readiness_poll_gives_up_naming_engine_and_reading(monkeypatch):
                           release_threshold_gib=64.0, max_polls=60)
     with pytest.raises(WeightSyncError, match=r"http://fake:1 .* still uses 70.2 GiB .* after 60 polls"):
         memory.release()
+
+
+def test_a_node_without_engines_up_sends_nothing_and_reads_no_dtype():
+    """Another node's leader whose engines are all down: its sender has no engines of its own; it
+    must not ask the other nodes' engines (their URLs may be unreachable from there) and sends
+    nothing (found by the breaker)."""
+    class Unreachable:
+        base_url = "http://127.0.0.1:1"
+
+        def model_info(self):
+            raise AssertionError("a node without engines read another node's /model_info")
+
+    sender = ColocatedWeightSender([], control_clients=[Unreachable()], load_format=None)
+    sender.init_group()
+    stats = sender.send([("w", torch.ones(2))], weight_version="1")
+    assert sender.initialized and stats["num_tensors"] == 1 and stats["bytes"] == 8
