@@ -85,6 +85,8 @@ class EngineSet:
         self.clients: list = []
         self.fleet = None
         self.restarts = 0
+        self._given_up: list = []
+        """Engines past the restart budget (`restart_dead` leaves them alone)."""
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="server-launch")
         self._launch = self._pool.submit(self._start) if not cfg.rollout.server_urls else None
 
@@ -152,12 +154,15 @@ class EngineSet:
 
         restarted = 0
         for i, server in enumerate(self.processes):
+            if server in self._given_up:
+                continue
             if server.process.poll() is None and self._answers(server):
                 continue
             if self.restarts >= self.cfg.rollout.max_server_restarts:
-                logger.error("node %d: rollout server %d is dead and the restart budget is spent "
-                             "(rollout.max_server_restarts=%d); the run goes on without it", self.node.node_rank, i,
-                             self.cfg.rollout.max_server_restarts)
+                self._given_up.append(server)  # not checked again: a hung one would cost 5 s every step
+                logger.error("node %d: rollout server %d exited or does not answer /health and the restart budget "
+                             "is spent (rollout.max_server_restarts=%d); the run goes on without it",
+                             self.node.node_rank, i, self.cfg.rollout.max_server_restarts)
                 continue
             self.restarts += 1
             logger.warning("node %d: restarting rollout server %d (%s), restart %d of at most %d",

@@ -157,7 +157,7 @@ class ServerFleet:
             self._synced.set()
         with self._lock:
             self.membership_changed = False
-        logger.warning("rollout server %d re-synced to the trainer's current weights", index)
+        logger.warning("rollout server %d re-synced to the trainer's current weights", target)
 
     def _restart(self, index: int, error: BaseException | None) -> None:
         proc = self.processes[index]

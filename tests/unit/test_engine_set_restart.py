@@ -13,13 +13,18 @@ class FakeServer:
     def __init__(self, exited: bool = False, healthy: bool = True) -> None:
         self.exit_code = 1 if exited else None
         self.healthy, self.restarts, self.log_path, self.port = healthy, 0, "fake.log", 1
+        self.checks = 0
 
     @property
     def process(self):
         return SimpleNamespace(poll=lambda: self.exit_code, pid=1)
 
     def client(self, **kwargs):
-        return SimpleNamespace(is_healthy=lambda timeout_s=2.0: self.healthy, close=lambda: None)
+        def is_healthy(timeout_s=2.0):
+            self.checks += 1
+            return self.healthy
+
+        return SimpleNamespace(is_healthy=is_healthy, close=lambda: None)
 
     def restart(self) -> None:
         self.exit_code, self.healthy = None, True
@@ -43,6 +48,13 @@ def test_exited_and_hung_engines_are_restarted_healthy_ones_are_not():
     assert engines.restart_dead() == 2
     assert (exited.restarts, hung.restarts, fine.restarts) == (1, 1, 0) and engines.restarts == 2
     assert engines.restart_dead() == 0  # all answer now
+
+
+def test_a_hung_engine_past_the_budget_is_not_checked_again():
+    hung = FakeServer(healthy=False)
+    engines = _engines([hung], budget=0)
+    assert engines.restart_dead() == 0 and hung.checks == 1
+    assert engines.restart_dead() == 0 and hung.checks == 1  # no 5 s health timeout every step
 
 
 def test_the_node_budget_is_kept():
