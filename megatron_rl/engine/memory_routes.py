@@ -8,7 +8,12 @@ by an empty one, then `gc` and glibc `malloc_trim`, so the pages go back to the 
 returns; the RSS before and after is logged and sent in the `X-RSS-Before` / `X-RSS-After`
 headers, bytes) -> stale (resumed: allocated again, values undefined, as SGLang without
 `--enable-weights-cpu-backup`) -> resident again once every parameter has been rewritten by
-`/update_weights_from_tensor` or `/update_weights_from_distributed`. Buffers (e.g. rotary `inv_freq`) are
+`/update_weights_from_tensor` or `/update_weights_from_distributed`. A resumed parameter gets the
+same offset from a 64-byte boundary as the one it had (`empty_like_at`): a one-row decode GEMV
+rounds by the weights' alignment (safetensors' loaded tensors sit 8 bytes off a line; up to ~1e-5
+per log-prob), so without it the engine's log-probs changed after its first release, and a
+colocated run with `actor.old_logprob_source: rollout` neither equalled the disaggregated one nor
+resumed bit-exactly. Buffers (e.g. rotary `inv_freq`) are
 kept. `kv_cache`: resident <-> released (this server keeps no KV between requests: releasing it
 flushes nothing and frees nothing, but generation is refused until it is resumed). `cuda_graph`
 is accepted and ignored. Release requires an idle server (no running or waiting request), as
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import math
 import logging
 import os
 import time
@@ -80,6 +86,18 @@ def rss_bytes() -> int:
         return 0
 
 
+def empty_at(shape: torch.Size, dtype: torch.dtype, device: torch.device, offset: int) -> torch.Tensor:
+    """`torch.empty(shape)` whose data starts `offset` bytes past a 64-byte boundary (CPU; on other
+    devices, or with an offset that is not a multiple of the element size, a plain `torch.empty`)."""
+    item = torch.empty((), dtype=dtype).element_size()
+    if device.type != "cpu" or offset % 64 == 0 or offset % item:
+        return torch.empty(shape, dtype=dtype, device=device)
+    numel = math.prod(shape)
+    buf = torch.empty(numel + 128 // item, dtype=dtype, device=device)
+    start = ((offset - buf.data_ptr()) % 64) // item
+    return buf[start : start + numel].view(shape)
+
+
 def _trim() -> None:
     """Return freed heap pages to the OS (glibc `malloc_trim(0)`; no-op elsewhere)."""
     gc.collect()
@@ -98,7 +116,8 @@ class MemoryState:
         self.state = state
         self.weights = "resident"
         self.kv_cache = "resident"
-        self._shapes: dict[int, tuple[torch.Size, torch.dtype, torch.device]] = {}
+        self._shapes: dict[int, tuple[torch.Size, torch.dtype, torch.device, int]] = {}
+        """id -> shape, dtype, device and data-pointer offset from a 64-byte boundary of each released parameter."""
         self._stale: set[int] = set()
         """ids of parameters resumed but not yet rewritten."""
         self._names: dict[str, int] = {}
@@ -134,11 +153,11 @@ class MemoryState:
             self._names = {n: id(p) for n, p in self.state.engine.model.named_parameters(remove_duplicate=False)}
             with self.state.engine.model_lock, torch.no_grad():
                 for pid, p in params.items():
-                    self._shapes[pid] = (p.shape, p.dtype, p.device)
+                    self._shapes[pid] = (p.shape, p.dtype, p.device, p.data_ptr() % 64)
                     freed += p.numel() * p.element_size()
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
             self.weights, self._stale = "released", set()
-            if any(dev.type == "cuda" for _, _, dev in self._shapes.values()):  # pragma: no cover - GPU only
+            if any(dev.type == "cuda" for _, _, dev, _ in self._shapes.values()):  # pragma: no cover - GPU only
                 torch.cuda.empty_cache()
         if "kv_cache" in tags:
             self.kv_cache = "released"
@@ -156,8 +175,8 @@ class MemoryState:
             params = self._params()
             with self.state.engine.model_lock, torch.no_grad():
                 for pid, p in params.items():
-                    shape, dtype, device = self._shapes[pid]
-                    p.data = torch.empty(shape, dtype=dtype, device=device)
+                    shape, dtype, device, offset = self._shapes[pid]
+                    p.data = empty_at(shape, dtype, device, offset)  # the alignment it was loaded at
             self._stale = set(params)
             self.weights = "stale" if self._stale else "resident"
         if "kv_cache" in tags:

@@ -128,16 +128,7 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
 
 def _load_model(model_path: str, dtype: str, attn_implementation: str):
     """Load the HF causal LM in eval mode on CPU; returns ``(model, torch_dtype, eos_token_ids)``
-    (EOS ids from generation_config.json and config.json, sorted, without repeats).
-
-    Every parameter is moved into its own fresh allocation (64-byte aligned by torch's CPU
-    allocator). safetensors maps the file, so loaded tensors start 8 bytes off a 64-byte line,
-    and a one-row decode GEMV rounds differently with the weights at another alignment (up to
-    ~5e-6 per log-prob). A colocated engine's weights are allocated anew on every
-    `/resume_memory_occupation`: without this, its log-probs (`actor.old_logprob_source:
-    rollout`) depended on whether it had ever been released, and a resumed run was not
-    bit-exact.
-    """
+    (EOS ids from generation_config.json and config.json, sorted, without repeats)."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     config = AutoConfig.from_pretrained(model_path)
@@ -152,9 +143,6 @@ def _load_model(model_path: str, dtype: str, attn_implementation: str):
         torch_dtype = dtype_from_name(dtype)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype, attn_implementation=attn_implementation)
     model.eval()
-    with torch.no_grad():
-        for p in model.parameters():  # tied weights are one parameter: one clone
-            p.data = p.data.clone(memory_format=torch.contiguous_format)
     eos: list[int] = []
     try:
         gen_eos = GenerationConfig.from_pretrained(model_path).eos_token_id

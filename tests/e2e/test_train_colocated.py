@@ -3,7 +3,7 @@ released / resumed around every update, weights handed over by shared-memory han
 `/update_weights_from_tensor`) samples the same tokens and computes the same loss, gradient
 norm and PPO KL, bit for bit, as the disaggregated run (broadcast weight sync), step for step, in
 deterministic mode with the engine's log-probs as the old policy (the engine's numerics for equal
-weights do not depend on its release / resume history: `engine/server.py` `_load_model`); the
+weights do not depend on its release / resume history: `engine/memory_routes.py` `empty_at`); the
 colocated phases are timed and their memory logged. It also survives an engine killed mid-rollout
 and resumes exactly after SIGTERM (both slow)."""
 
