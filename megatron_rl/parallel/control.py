@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-__all__ = ["ControllerFailed", "PhaseDone", "broadcast_object", "send_to_ranks", "receive_from_controller"]
+__all__ = ["ControllerFailed", "PhaseDone", "broadcast_object", "gather_objects", "send_to_ranks",
+           "receive_from_controller"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,16 @@ def broadcast_object(obj, *, src: int, world_size: int):
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def gather_objects(obj, *, world_size: int) -> list:
+    """Every rank's `obj`, by global rank, on every rank of the default group (all ranks call it);
+    `[obj]` on a world of one."""
+    if world_size == 1:
+        return [obj]
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, obj)
+    return everyone
 
 
 def send_to_ranks(obj, pgs) -> None:

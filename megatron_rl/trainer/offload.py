@@ -131,7 +131,7 @@ def setup_colocation(run) -> Colocation:
     """`Run.colocation` for `rollout.colocate: true`: the trainer offload, the controller's
     `EngineMemory` over the fleet's engines (on GPU it polls this device's memory after a release
     until it is below `rollout.mem_fraction_static` x the device's memory, N11), the barrier."""
-    from megatron_rl.parallel.control import broadcast_object
+    from megatron_rl.parallel.control import broadcast_object, gather_objects
 
     from megatron_rl.parallel.nodes import node_info
 
@@ -157,15 +157,7 @@ def setup_colocation(run) -> Colocation:
         what = f"node {run.node_engines.node.node_rank}'s engines"
         wait_freed = lambda: wait_device_freed(poll, threshold, what=what)  # noqa: E731
     world = run.pgs.world_size
-
-    def gather(x):
-        import torch.distributed as dist
-
-        everyone: list = [None] * world
-        dist.all_gather_object(everyone, x)
-        return everyone
-
     return Colocation(TrainerOffload(run.ddp_model, run.optimizer), engines, log,
                       barrier=lambda: broadcast_object(None, src=0, world_size=world),
                       node_engines=run.node_engines, nnodes=node_info().nnodes, wait_freed=wait_freed,
-                      gather=gather if world > 1 else (lambda x: [x]))
+                      gather=lambda x: gather_objects(x, world_size=world))

@@ -325,7 +325,7 @@ def _node_engine_urls(run: Run, engines) -> list[str]:
 
     if not (run.cfg.rollout.colocate and run.pgs.world_size > 1):
         return []
-    import torch.distributed as dist
+    from megatron_rl.parallel.control import gather_objects
 
     mine, error = [], None
     if engines is not None and not run.is_controller:
@@ -333,8 +333,7 @@ def _node_engine_urls(run: Run, engines) -> list[str]:
             mine = engines.advertised_urls()
         except Exception as e:  # noqa: BLE001 - shared: every rank raises it
             error = f"node {engines.node.node_rank}: {type(e).__name__}: {e}"
-    everyone: list = [None] * run.pgs.world_size
-    dist.all_gather_object(everyone, (mine, error))
+    everyone = gather_objects((mine, error), world_size=run.pgs.world_size)
     errors = [e for _, e in everyone if e]
     if errors:
         raise RolloutServerError("colocated engines did not come up: " + "; ".join(errors))

@@ -45,7 +45,8 @@ import torch.distributed as dist
 
 from megatron_rl.errors import RolloutServerError, WeightSyncError
 from megatron_rl.weight_sync.sender import sync_metrics
-from megatron_rl.parallel.control import ControllerFailed, broadcast_object, receive_from_controller, send_to_ranks
+from megatron_rl.parallel.control import (ControllerFailed, broadcast_object, gather_objects, receive_from_controller,
+                                         send_to_ranks)
 
 logger = logging.getLogger(__name__)
 
@@ -146,9 +147,7 @@ class WeightPublisher:
             return [0]
         if self.pgs.tp_size > 1:
             self._tp_source = dist.get_global_rank(self.pgs.tp, 0)
-        everyone: list = [None] * self.pgs.world_size
-        dist.all_gather_object(everyone, mine)
-        return [rank for _, rank in sorted(x for x in everyone if x is not None)]
+        return [rank for _, rank in sorted(x for x in self._gathered(mine) if x is not None)]
 
     # ------------------------------------------------------------------ the controller's side
     def publish(self, version: int, *, live: bool = False, stale_below: int | None = None) -> dict:
@@ -271,19 +270,11 @@ class WeightPublisher:
 
     def _gathered(self, mine) -> list:
         """Every rank's `mine`, by rank (a world of one: `[mine]`)."""
-        if self.pgs.world_size == 1:
-            return [mine]
-        everyone: list = [None] * self.pgs.world_size
-        dist.all_gather_object(everyone, mine)
-        return everyone
+        return gather_objects(mine, world_size=self.pgs.world_size)
 
     def _shared_error(self, mine: str | None) -> str | None:
         """The first error of any rank (every rank gets the same answer)."""
-        if self.pgs.world_size == 1:
-            return mine
-        everyone: list = [None] * self.pgs.world_size
-        dist.all_gather_object(everyone, mine)
-        return next((e for e in everyone if e is not None), None)
+        return next((e for e in self._gathered(mine) if e is not None), None)
 
     def _from(self, src: int, value):
         return broadcast_object(value, src=src, world_size=self.pgs.world_size)
@@ -389,13 +380,8 @@ class WeightPublisher:
             except WeightSyncError as e:
                 error = str(e)
         error = self._shared_error(error)
-        if self.pgs.world_size > 1:
-            everyone: list = [None] * self.pgs.world_size
-            dist.all_gather_object(everyone, mine)
-        else:
-            everyone = [mine]
         total: dict = {}
-        for m in everyone:
+        for m in self._gathered(mine):
             for k, v in (m or {}).items():
                 total[k] = total.get(k, 0.0) + v
         return error, total
