@@ -88,9 +88,21 @@ def wait_state(job: str, states: set[str], timeout: float, out: Path) -> dict:
 
 
 def release(job: str, out: Path) -> None:
-    """A requeued job waits ~2 min (Slurm's BeginTime after a requeue); the test starts it now."""
+    """A requeued job waits ~2 min (Slurm's BeginTime after a requeue); the test starts it sooner.
+
+    Not at once: slurmd revokes the credential of the run that was requeued, and a new allocation
+    whose credential is dated in the same second is refused ("Killing non-startable batch JobId=N:
+    Job credential revoked" in slurmctld.log: the job ends FAILED; seen in CI). So: wait until the
+    previous run has left the node (no COMPLETING state), then start a few seconds later."""
     wait_state(job, {"PENDING"}, 180, out)
-    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=True, capture_output=True)
+    wait_for(lambda: "COMPLETING" not in job_info(job).get("JobState", "") and not _node_completing(), 180,
+             f"job {job}'s previous run to leave the node", out)
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now+3"], check=True, capture_output=True)
+
+
+def _node_completing() -> bool:
+    out = subprocess.run(["scontrol", "show", "node", "-o"], capture_output=True, text=True).stdout
+    return "COMPLETING" in out
 
 
 def latest_ckpt(run: Path) -> int | None:
