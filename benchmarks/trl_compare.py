@@ -272,6 +272,29 @@ def idle_verdict(sides: dict, cpus: int) -> tuple[bool, str]:
     return idle_f, f"{why}; {why_f}"
 
 
+PHASES = ("timing/generate_s", "timing/reward_s", "timing/advantage_s", "timing/old_logprob_s", "timing/update_s",
+          "timing/weight_sync_s")
+BEFORE = REPO / "benchmarks" / "results" / "trl_compare_before_issue22.json"
+
+
+def step_split(side: dict) -> dict:
+    """Mean seconds per RL step of each phase of a megatron-rl side (`phase_s` holds the sums over
+    its steps), plus the mean step; keys without the `timing/` prefix and `_s` suffix."""
+    n = max(side["rl_steps"], 1)
+    split = {k[len("timing/"):-len("_s")]: side["phase_s"].get(k, 0.0) / n for k in PHASES}
+    split["step"] = side["train_s"] / n
+    return split
+
+
+def split_before_and_after(mrl: dict, before: Path = BEFORE) -> dict:
+    """The split of our step in this run next to the one recorded before issue 22's changes
+    (`results/trl_compare_before_issue22.json`; left out when that file is missing)."""
+    out = {"this run": step_split(mrl)}
+    if before.exists():
+        out[f"before issue 22 ({before.name})"] = step_split(json.loads(before.read_text())["megatron_rl"])
+    return out
+
+
 def readme_table(result: dict) -> str:
     """The README's comparison table (markdown) from a result dict."""
     m, t, r = result["megatron_rl"], result["trl"], result["ratio_megatron_rl_over_trl"]
@@ -316,9 +339,7 @@ def summarise_megatron_run(run_dir: Path, process_wall_s: float, load0, load1, r
     """Per-step timings, tokens and train accuracy of a finished megatron-rl run dir."""
     m = _load_metrics(run_dir)
     step_s = [x["timing/step_s"] for x in m]
-    phases = {k: sum(x.get(k, 0.0) for x in m) for k in
-              ("timing/generate_s", "timing/reward_s", "timing/advantage_s", "timing/old_logprob_s",
-               "timing/update_s", "timing/weight_sync_s")}
+    phases = {k: sum(x.get(k, 0.0) for x in m) for k in PHASES}
     return {
         "rl_steps": len(m), "train_s": sum(step_s), "process_wall_s": process_wall_s,
         "overhead_s": process_wall_s - sum(step_s), "step_s": step_s,
@@ -496,6 +517,7 @@ def main() -> None:
                   "trl_grpo_config": grpo, "loss": "seq-mean-token-mean (TRL loss_type=grpo)", "kl": 0.0,
                   "dtype": "float32", "device": "cpu", "cpu_count": os.cpu_count()},
         "megatron_rl": {**mrl, **sm}, "trl": {**trl, **st}, "ratio_megatron_rl_over_trl": ratio,
+        "megatron_rl_step_split_s": split_before_and_after(mrl),
         "eval": evals, "eval_settings": {"data": "examples/tiny/data/test.jsonl", "n": args.eval_n,
                                          "temperature": 1.0, "top_p": 1.0, "max_new_tokens": 64, "seed": args.seed},
         "skip_eval": args.skip_eval,
@@ -539,6 +561,9 @@ def main() -> None:
         return "?" if a is None or b is None else f"{a:.1f}-{b:.1f}"
 
     print(f"load average: {la(mrl)} (megatron-rl), {la(trl)} (TRL); wrote {args.out}")
+    print("megatron-rl's mean step, s: " + "; ".join(
+        f"{label}: " + ", ".join(f"{k} {v:.3f}" for k, v in split.items())
+        for label, split in result["megatron_rl_step_split_s"].items()))
     for w_ in result["warnings"]:
         print(f"WARNING: {w_}")
 

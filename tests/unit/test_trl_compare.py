@@ -145,3 +145,18 @@ def test_idle_verdict_falls_back_to_the_foreign_cpu(tc):
     assert tc.idle_verdict(busy, 2)[0] is False
     assert tc.idle_verdict({"megatron-rl": {"loadavg_max": 2.0}, "trl": {"loadavg_max": 2.4}}, 2)[0] is True
     assert tc.idle_verdict({"megatron-rl": {"loadavg_max": 3.0}, "trl": {"loadavg_max": 2.4}}, 2)[0] is False
+
+
+def test_step_split_before_and_after(tc, tmp_path):
+    """Per-step means of the phase sums; the committed before-issue-22 run sits beside this one."""
+    side = {"rl_steps": 4, "train_s": 4.0, "phase_s": {"timing/generate_s": 1.2, "timing/update_s": 2.0,
+                                                      "timing/weight_sync_s": 0.2}}
+    split = tc.step_split(side)
+    assert split == pytest.approx({"generate": 0.3, "reward": 0.0, "advantage": 0.0, "old_logprob": 0.0,
+                                   "update": 0.5, "weight_sync": 0.05, "step": 1.0})
+    assert list(tc.split_before_and_after(side, tmp_path / "missing.json")) == ["this run"]
+    both = tc.split_before_and_after(side)   # the committed results/trl_compare_before_issue22.json
+    before = both["before issue 22 (trl_compare_before_issue22.json)"]
+    # that run: 12 steps, 4.22 s of old-log-prob recompute in all, 29.1 s of steps
+    assert before["old_logprob"] == pytest.approx(4.217642392999551 / 12)
+    assert before["step"] > 2.0 and both["this run"] == split
