@@ -14,6 +14,7 @@ weight update is never sent twice by accident.
 from __future__ import annotations
 
 import logging
+import ssl
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -53,6 +54,23 @@ def _answered(error: RolloutServerError) -> RolloutServerError:
 
 KEEPALIVE_EXPIRY_S = 2.0
 """Idle seconds after which a pooled connection is dropped (below uvicorn's 5 s keep-alive timeout)."""
+
+_ssl_lock = threading.Lock()
+_ssl_context: ssl.SSLContext | None = None
+
+
+def shared_ssl_context() -> ssl.SSLContext:
+    """The one SSL context (httpx's default: certifi's CA bundle) every ``httpx.Client`` of this
+    module verifies with. httpx builds a new one per Client by default, loading the CA bundle:
+    ~20 ms of CPU each, and a client makes one Client per calling thread (the rollout and
+    weight-sync thread pools), which cost the first RL steps a few hundred ms and later steps a
+    few ms each time a pool started a thread (benchmarks/README.md, issue 22). An SSLContext is
+    safe to share between threads and clients."""
+    global _ssl_context
+    with _ssl_lock:
+        if _ssl_context is None:
+            _ssl_context = httpx.create_ssl_context()
+        return _ssl_context
 
 
 class HTTPEngineClient(RolloutEngine):
@@ -133,6 +151,7 @@ class HTTPEngineClient(RolloutEngine):
                 base_url=self.base_url,
                 timeout=self.timeout_s,
                 transport=self._transport,
+                verify=shared_ssl_context(),
                 # one thread: one request at a time; keep its connection alive between calls, but
                 # drop it after 2 s idle: uvicorn (SGLang's server and ours) closes idle
                 # connections after its keep-alive timeout (5 s by default), and a request sent on a

@@ -213,3 +213,25 @@ def test_generate_many_keeps_input_order():
     assert [r.rid for r in results] == [f"r-{i}" for i in range(8)]
     assert [r.output_ids[0] for r in results] == list(range(8))
     assert arrival != sorted(arrival)  # they really did arrive out of order
+
+
+def test_every_thread_and_client_verifies_with_one_ssl_context():
+    """httpx loads the CA bundle for each Client (~20 ms of CPU) unless given a context: the
+    per-thread Clients of every RolloutClient share one (issue 22: the thread pools' first uses)."""
+    from megatron_rl.rollout.client import shared_ssl_context
+
+    a, b = RolloutClient("http://127.0.0.1:1"), RolloutClient("https://example.invalid")
+    seen = []
+
+    def use():
+        seen.extend(c._http._transport._pool._ssl_context for c in (a, b))
+
+    threads = [threading.Thread(target=use) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(seen) == 6 and all(ctx is shared_ssl_context() for ctx in seen)
+    assert shared_ssl_context().verify_mode.name == "CERT_REQUIRED"   # still verifies https servers
+    a.close()
+    b.close()
