@@ -11,7 +11,8 @@ Log-probs (``output_token_logprobs``) are *not* taken from the sampling distribu
 before temperature, top-k/top-p/min-p, ``logit_bias`` and the ``min_new_tokens`` stop-token mask.
 This is what the trainer's ``old_logprobs`` recompute is compared against. (SGLang 0.5.x computes
 its logprobs after temperature scaling unless ``SGLANG_RETURN_ORIGINAL_LOGPROB`` is set; the two
-agree at temperature 1.0.)
+agree at temperature 1.0. Every SGLang engine this project starts has it set: ``launcher.SGLANG_ENV``
+and slurm/lib/engine.sh.)
 """
 
 from __future__ import annotations

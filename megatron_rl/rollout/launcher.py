@@ -502,10 +502,15 @@ def _vllm_embedded_command(spec: LaunchSpec, ports: Sequence[int]) -> list[str]:
 
 ENGINE_BACKENDS.register("embedded")(
     EngineBackend(name="embedded", ports_per_server=1, build_command=_embedded_command, client=RolloutClient))
-# SGLang has no parent-death watchdog: a trainer killed outright must not leave engines behind
+# SGLang has no parent-death watchdog: a trainer killed outright must not leave engines behind.
+# SGLANG_RETURN_ORIGINAL_LOGPROB: SGLang's output_token_logprobs are taken after temperature scaling
+# unless it is set; the trainer's log-probs (and the embedded server's) are of the unscaled policy,
+# so at rollout.temperature != 1 the engine's numbers would not be the policy's (the PPO anchor of
+# actor.old_logprob_source=rollout, the rollout-correction ratios; ALGORITHMS.md 8). slime sets it too.
+SGLANG_ENV = (("SGLANG_RETURN_ORIGINAL_LOGPROB", "1"),)
 ENGINE_BACKENDS.register("sglang")(
     EngineBackend(name="sglang", ports_per_server=2, build_command=_sglang_command, client=RolloutClient,
-                  watchdog=True))
+                  watchdog=True, env=SGLANG_ENV))
 # vLLM has no parent-death watchdog either; its pause and weight-transfer routes need dev mode
 ENGINE_BACKENDS.register("vllm")(
     EngineBackend(name="vllm", ports_per_server=1, build_command=_vllm_command, client=VLLMClient, watchdog=True,

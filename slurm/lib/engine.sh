@@ -43,6 +43,8 @@ if [ "$MEGATRON_RL_DEVICE" = gpu ]; then
     export VLLM_SERVER_DEV_MODE=1
     exec "${cmd[@]}"
   fi
+  # log-probs of the unscaled policy, as the trainer computes them (launcher.SGLANG_ENV)
+  export SGLANG_RETURN_ORIGINAL_LOGPROB=1
   # shellcheck disable=SC2086  # SGLANG_EXTRA_ARGS is a list of flags
   exec "$PYTHON" -m sglang.launch_server --model-path "$MODEL_PATH" --tp-size "$ROLLOUT_TP_SIZE" \
     --host "$ip" --port "$port" --nccl-port "$nccl_port" --dist-init-addr "$ip:$dist_port" \

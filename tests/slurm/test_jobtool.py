@@ -144,7 +144,8 @@ def _fake_module(root: Path, dotted: str) -> None:
     (d / f"{mod}.py").write_text(
         "import json, os, sys\n"
         "json.dump({'argv': sys.argv[1:], 'gpus': os.environ['CUDA_VISIBLE_DEVICES'],"
-        " 'dev_mode': os.environ.get('VLLM_SERVER_DEV_MODE')}, open(os.environ['FAKE_OUT'], 'w'))\n"
+        " 'dev_mode': os.environ.get('VLLM_SERVER_DEV_MODE'),"
+        " 'original_logprob': os.environ.get('SGLANG_RETURN_ORIGINAL_LOGPROB')}, open(os.environ['FAKE_OUT'], 'w'))\n"
     )
 
 
@@ -182,6 +183,7 @@ def test_engine_script_gpu_branch_flags_and_gpus(tmp_path, backend):
                    FAKE_OUT=str(tmp_path / f"engine{slot}.json"),
                    PYTHONPATH=os.pathsep.join([str(tmp_path / "fake"), os.environ.get("PYTHONPATH", "")]))
         env.pop("VLLM_SERVER_DEV_MODE", None)
+        env.pop("SGLANG_RETURN_ORIGINAL_LOGPROB", None)
         proc = subprocess.run(["bash", str(REPO / "slurm/lib/engine.sh")], env=env, capture_output=True, text=True,
                               timeout=60)
         assert proc.returncode == 0, proc.stderr
@@ -194,6 +196,7 @@ def test_engine_script_gpu_branch_flags_and_gpus(tmp_path, backend):
                                  "--port", str(p), "--nccl-port", str(p + 1), "--dist-init-addr", f"127.0.0.1:{p + 2}",
                                  "--mem-fraction-static", "0.85", "--random-seed", "7", "--enable-metrics"]
             assert g["dev_mode"] is None
+            assert g["original_logprob"] == "1"   # unscaled log-probs, as the trainer's (launcher.SGLANG_ENV)
         else:
             want = build_vllm_command("/ckpt/Qwen2.5-32B", python=sys.executable, host="127.0.0.1", port=p, tp_size=4,
                                       gpu_memory_utilization=0.85, seed=7,

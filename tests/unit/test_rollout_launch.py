@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 
 import pytest
@@ -78,3 +79,31 @@ def test_config_checks_server_ports():
         RolloutConfig(backend="sglang", num_servers=2, server_ports=[1, 2, 3])
     with pytest.raises(ValueError, match=r"rollout.server_ports: \[5\] appear more than once"):
         RolloutConfig(backend="embedded", num_servers=2, server_ports=[5, 5])
+
+
+def test_sglang_engines_return_log_probs_of_the_unscaled_policy(tmp_path):
+    """SGLang takes output_token_logprobs after temperature scaling unless SGLANG_RETURN_ORIGINAL_LOGPROB
+    is set; the trainer's log-probs are of the unscaled policy, so every SGLang engine the launcher
+    starts has it (launcher.SGLANG_ENV). SGLang cannot run here: a stand-in `sglang.launch_server`
+    records its environment and exits, and the launch fails as for any engine that dies at start-up."""
+    import json
+    import sys
+
+    from megatron_rl.errors import RolloutServerError
+    from megatron_rl.rollout.launcher import launch_servers
+
+    fake = tmp_path / "fake" / "sglang"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    out = tmp_path / "env.json"
+    (fake / "launch_server.py").write_text(
+        "import json, os, sys\n"
+        f"json.dump(dict(os.environ), open({str(out)!r}, 'w'))\n"
+        "sys.exit(3)\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "fake"), SGLANG_RETURN_ORIGINAL_LOGPROB="0")
+    with pytest.raises(RolloutServerError):
+        launch_servers("sglang", "examples/tiny/base_model", 1, log_dir=tmp_path, startup_timeout_s=30, env=env,
+                       sglang_python=sys.executable)
+    got = json.loads(out.read_text())
+    assert got["SGLANG_RETURN_ORIGINAL_LOGPROB"] == "1"   # the launcher's value wins over the caller's
+    assert got["PYTHONPATH"] == str(tmp_path / "fake")    # the caller's environment is kept otherwise
