@@ -279,10 +279,11 @@ BEFORE = REPO / "benchmarks" / "results" / "trl_compare_before_issue22.json"
 
 def step_split(side: dict) -> dict:
     """Mean seconds per RL step of each phase of a megatron-rl side (`phase_s` holds the sums over
-    its steps), plus the mean step; keys without the `timing/` prefix and `_s` suffix."""
+    its steps), plus the mean step and the step count; keys without the `timing/` prefix and `_s` suffix."""
     n = max(side["rl_steps"], 1)
     split = {k[len("timing/"):-len("_s")]: side["phase_s"].get(k, 0.0) / n for k in PHASES}
     split["step"] = side["train_s"] / n
+    split["rl_steps"] = side["rl_steps"]   # the first step's warm-up weighs 1/rl_steps in these means
     return split
 
 
@@ -293,6 +294,20 @@ def split_before_and_after(mrl: dict, before: Path = BEFORE) -> dict:
     if before.exists():
         out[f"before issue 22 ({before.name})"] = step_split(json.loads(before.read_text())["megatron_rl"])
     return out
+
+
+def table_allowed(result: dict, idle: bool, why: str) -> tuple[bool, str]:
+    """Whether a run may write the README's table: an idle machine (`idle_verdict`), evaluations
+    run (the table carries avg@n and pass@n) and >= 3 RL steps on both sides (fewer: the first
+    step's warm-up dominates the rate). Returns (allowed, reason when not)."""
+    if not idle:
+        return False, f"not an idle machine ({why})"
+    if result.get("skip_eval") or not result.get("eval"):
+        return False, "--skip-eval: the table reports the held-out scores"
+    steps = min(result["megatron_rl"]["rl_steps"], result["trl"]["rl_steps"])
+    if steps < 3:
+        return False, f"only {steps} RL step(s) on one side (need >= 3)"
+    return True, ""
 
 
 def readme_table(result: dict) -> str:
@@ -392,13 +407,24 @@ def summarise_trl_run(out: Path, process_wall_s: float, load0, load1) -> dict:
     }
 
 
+def checkpoint_stamp(checkpoint: str) -> list:
+    """(relative path, size, mtime in ns) of every file under a checkpoint folder, sorted: what
+    `--reuse` compares before taking an earlier evaluation of the same path."""
+    root = Path(checkpoint)
+    return sorted([str(f.relative_to(root)), f.stat().st_size, f.stat().st_mtime_ns]
+                  for f in root.rglob("*") if f.is_file())
+
+
 def run_eval(checkpoint: str, out: Path, n: int, seed: int, log, reuse: bool = False) -> dict:
     """`megatron-rl eval` on the held-out set; returns avg@n, pass@n, format share, wall seconds.
 
-    With `reuse`, an `out/results.json` of the same checkpoint, n and seed is read instead."""
+    With `reuse`, an `out/results.json` of the same checkpoint (path and files: `checkpoint_stamp`),
+    n and seed is read instead: a side trained again into the same folder is evaluated again."""
+    stamp = checkpoint_stamp(checkpoint)
     if reuse and (out / "eval.side.json").exists():
         side = json.loads((out / "eval.side.json").read_text())
-        if side.get("checkpoint") == checkpoint and side.get("n") == n and side.get("seed") == seed:
+        if (side.get("checkpoint") == checkpoint and side.get("stamp") == stamp and side.get("n") == n
+                and side.get("seed") == seed):
             log(f"eval {checkpoint}: reused {out}")
             return side["result"]
     cli = Path(sys.executable).parent / "megatron-rl"
@@ -413,7 +439,8 @@ def run_eval(checkpoint: str, out: Path, n: int, seed: int, log, reuse: bool = F
         raise SystemExit(f"megatron-rl eval failed (exit {r.returncode}); log: {out}.log")
     out_d = read_eval_results(out / "results.json", n)
     out_d["wall_s"] = time.perf_counter() - t0
-    (out / "eval.side.json").write_text(json.dumps({"checkpoint": checkpoint, "n": n, "seed": seed, "result": out_d}))
+    (out / "eval.side.json").write_text(json.dumps({"checkpoint": checkpoint, "stamp": stamp, "n": n, "seed": seed,
+                                                    "result": out_d}))
     log(f"eval {checkpoint}: avg@{n} {out_d[f'avg@{n}']:.3f}")
     return out_d
 
@@ -535,9 +562,12 @@ def main() -> None:
                                   "still records this run")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    if idle and args.table is not None:
+    table_ok, table_why = table_allowed(result, idle, why)
+    if table_ok and args.table is not None:
         args.table.write_text(readme_table(result))
         log(f"README table ({why}): {args.table}")
+    elif args.table is not None:
+        log(f"README table not written: {table_why}")
 
     n = args.eval_n
     print()
@@ -562,7 +592,7 @@ def main() -> None:
 
     print(f"load average: {la(mrl)} (megatron-rl), {la(trl)} (TRL); wrote {args.out}")
     print("megatron-rl's mean step, s: " + "; ".join(
-        f"{label}: " + ", ".join(f"{k} {v:.3f}" for k, v in split.items())
+        f"{label}: " + ", ".join(f"{k} {v:.3f}" if k != "rl_steps" else f"over {v} steps" for k, v in split.items())
         for label, split in result["megatron_rl_step_split_s"].items()))
     for w_ in result["warnings"]:
         print(f"WARNING: {w_}")

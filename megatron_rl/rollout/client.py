@@ -151,7 +151,8 @@ class HTTPEngineClient(RolloutEngine):
                 base_url=self.base_url,
                 timeout=self.timeout_s,
                 transport=self._transport,
-                verify=shared_ssl_context(),
+                # (a caller's transport does its own TLS: no context is built for it)
+                **({} if self._transport is not None else {"verify": shared_ssl_context()}),
                 # one thread: one request at a time; keep its connection alive between calls, but
                 # drop it after 2 s idle: uvicorn (SGLang's server and ours) closes idle
                 # connections after its keep-alive timeout (5 s by default), and a request sent on a

@@ -235,3 +235,17 @@ def test_every_thread_and_client_verifies_with_one_ssl_context():
     assert shared_ssl_context().verify_mode.name == "CERT_REQUIRED"   # still verifies https servers
     a.close()
     b.close()
+
+
+def test_a_callers_transport_needs_no_ssl_context(monkeypatch):
+    """With `transport=` the Client builds no SSL context (plain httpx does not either), so an
+    unreadable CA bundle cannot fail it."""
+    import megatron_rl.rollout.client as client_mod
+
+    def broken():
+        raise FileNotFoundError("no CA bundle")
+
+    monkeypatch.setattr(client_mod, "shared_ssl_context", broken)
+    c = RolloutClient("http://x", transport=httpx.MockTransport(lambda r: httpx.Response(200, json={})))
+    c.health()   # answered through the transport; raised FileNotFoundError when the context was built
+    c.close()

@@ -153,10 +153,49 @@ def test_step_split_before_and_after(tc, tmp_path):
                                                       "timing/weight_sync_s": 0.2}}
     split = tc.step_split(side)
     assert split == pytest.approx({"generate": 0.3, "reward": 0.0, "advantage": 0.0, "old_logprob": 0.0,
-                                   "update": 0.5, "weight_sync": 0.05, "step": 1.0})
+                                   "update": 0.5, "weight_sync": 0.05, "step": 1.0, "rl_steps": 4})
     assert list(tc.split_before_and_after(side, tmp_path / "missing.json")) == ["this run"]
     both = tc.split_before_and_after(side)   # the committed results/trl_compare_before_issue22.json
     before = both["before issue 22 (trl_compare_before_issue22.json)"]
     # that run: 12 steps, 4.22 s of old-log-prob recompute in all, 29.1 s of steps
     assert before["old_logprob"] == pytest.approx(4.217642392999551 / 12)
     assert before["step"] > 2.0 and both["this run"] == split
+
+
+def _result(m_steps=40, t_steps=32, skip_eval=False):
+    return {"megatron_rl": {"rl_steps": m_steps}, "trl": {"rl_steps": t_steps}, "skip_eval": skip_eval,
+            "eval": {} if skip_eval else {"base": {}, "megatron-rl": {}, "trl": {}}}
+
+
+def test_only_an_idle_evaluated_run_of_3_steps_a_side_writes_the_readme_table(tc):
+    assert tc.table_allowed(_result(), True, "idle") == (True, "")
+    assert tc.table_allowed(_result(), False, "load 3.1")[1] == "not an idle machine (load 3.1)"
+    assert "--skip-eval" in tc.table_allowed(_result(skip_eval=True), True, "idle")[1]
+    assert tc.table_allowed(_result(t_steps=0), True, "idle") == (False, "only 0 RL step(s) on one side (need >= 3)")
+    assert tc.table_allowed(_result(m_steps=2), True, "idle")[0] is False
+
+
+def test_reuse_does_not_take_the_evaluation_of_an_older_model_in_the_same_folder(tc, tmp_path, monkeypatch):
+    ckpt = tmp_path / "trl" / "final"
+    ckpt.mkdir(parents=True)
+    (ckpt / "model.safetensors").write_bytes(b"old weights")
+    out = tmp_path / "eval-trl"
+    out.mkdir()
+    old = {"avg@8": 0.1}
+    (out / "eval.side.json").write_text(json.dumps({"checkpoint": str(ckpt), "stamp": tc.checkpoint_stamp(str(ckpt)),
+                                                    "n": 8, "seed": 1, "result": old}))
+    assert tc.run_eval(str(ckpt), out, 8, 1, print, reuse=True) == old          # the same model: reused
+    (ckpt / "model.safetensors").write_bytes(b"new weights, retrained")
+    calls = []
+
+    class Ran(Exception):
+        pass
+
+    def fake_run(cmd, **kw):
+        calls.append(cmd)
+        raise Ran
+
+    monkeypatch.setattr(tc.subprocess, "run", fake_run)
+    with pytest.raises(Ran):
+        tc.run_eval(str(ckpt), out, 8, 1, print, reuse=True)                    # retrained: evaluated again
+    assert calls and calls[0][1] == "eval" and str(ckpt) in calls[0]
