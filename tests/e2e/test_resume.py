@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_rl.engine.test_hooks import STEP_DELAY_ENV
+
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(1200)
 
@@ -269,14 +271,17 @@ def test_ctrl_c_before_any_checkpoint_finishes_the_step_and_checkpoints(referenc
         for step in range(k + 1, STEPS + 1):
             _assert_same_step(rows[step], dict(ref[step]), step)
 
-    # a second Ctrl-C stops at once (the process dies of SIGINT, without finishing the step)
+    # a second Ctrl-C stops at once (the process dies of SIGINT, without finishing the step). Both
+    # presses land in step 2's generation, slowed to >= 0.2 s a decode step (the server's test hook):
+    # a press right before a step's end let a fast machine finish, checkpoint and exit 75 within the
+    # 1.5 s between the presses (a CI failure, 2026-12-05)
     run_dir2 = tmp_path / "ctrlc2"
     proc = subprocess.Popen(_cmd(run_dir2, pool), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            cwd=ROOT, start_new_session=True)
+                            cwd=ROOT, start_new_session=True, env=dict(os.environ, **{STEP_DELAY_ENV: "0.2"}))
     try:
         log = run_dir2 / "train.log"
         deadline = time.monotonic() + 600
-        while "weight sync" not in (log.read_text() if log.exists() else ""):
+        while "step 1: acc" not in (log.read_text() if log.exists() else ""):
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.1)
         os.killpg(proc.pid, signal.SIGINT)
