@@ -325,6 +325,18 @@ def readme_table(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def reused_steps(side: dict, steps: int | None, path: Path) -> int:
+    """The step count of a reused megatron-rl side: `--steps` when given must match it (TRL's wall
+    budget and step cap follow from it).
+
+    Raises:
+        SystemExit: `--steps` differs from the reused run's (names the file and both counts)."""
+    if steps is not None and steps != side["rl_steps"]:
+        raise SystemExit(f"{path}: the reused megatron-rl run has {side['rl_steps']} steps, not --steps {steps}; "
+                         f"pass --steps {side['rl_steps']} (or none), or use another --work-dir")
+    return side["rl_steps"]
+
+
 def run_megatron(work: Path, steps: int, seed: int, responses_per_step: int, log) -> dict:
     """Train the grpo recipe for `steps` RL steps; returns per-step timings and tokens (also saved
     as `work/megatron-rl.side.json` for `--reuse`)."""
@@ -471,7 +483,8 @@ def summarise(side: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--steps", type=int, default=12, help="megatron-rl RL steps (sets the shared wall budget)")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="megatron-rl RL steps (sets the shared wall budget) [12; with --reuse: the reused run's]")
     ap.add_argument("--trl-max-steps", type=int, default=0,
                     help="cap on TRL's RL steps (default 10 x --steps; the wall budget usually stops it first)")
     ap.add_argument("--seed", type=int, default=1234)
@@ -490,7 +503,7 @@ def main() -> None:
                          f"{IDLE_LOAD_PER_CPU} per CPU during both runs, or other processes used <= "
                          f"{FOREIGN_IDLE_CPUS} CPUs on average (idle_verdict)")
     args = ap.parse_args()
-    if args.steps < 1:
+    if args.steps is not None and args.steps < 1:
         ap.error("--steps must be >= 1")
 
     def log(msg: str) -> None:
@@ -523,8 +536,10 @@ def main() -> None:
     w = args.work_dir
     if args.reuse and (w / "megatron-rl.side.json").exists():
         mrl = json.loads((w / "megatron-rl.side.json").read_text())
-        log(f"megatron-rl: reused {w / 'megatron-rl.side.json'}")
+        args.steps = reused_steps(mrl, args.steps, w / "megatron-rl.side.json")
+        log(f"megatron-rl: reused {w / 'megatron-rl.side.json'} ({args.steps} steps)")
     else:
+        args.steps = args.steps or 12
         mrl = run_megatron(w, args.steps, args.seed, cfg.data.train_batch_size * cfg.rollout.n, log)
     if args.reuse and (w / "trl.side.json").exists():
         trl = json.loads((w / "trl.side.json").read_text())
@@ -539,7 +554,7 @@ def main() -> None:
     ratio = {k: sm[k] / st[k] if st[k] else float("inf")
              for k in ("rl_steps_per_min", "generated_tokens_per_s", "responses_per_s")}
     result = {
-        "benchmark": "trl_compare", "recipe": "examples/tiny/grpo.yaml", "seed": args.seed,
+        "benchmark": "trl_compare", "recipe": "examples/tiny/grpo.yaml", "seed": args.seed, "steps": args.steps,
         "setup": {"prompts_per_step": cfg.data.train_batch_size, "group_size": cfg.rollout.n,
                   "trl_grpo_config": grpo, "loss": "seq-mean-token-mean (TRL loss_type=grpo)", "kl": 0.0,
                   "dtype": "float32", "device": "cpu", "cpu_count": os.cpu_count()},

@@ -199,3 +199,11 @@ def test_reuse_does_not_take_the_evaluation_of_an_older_model_in_the_same_folder
     with pytest.raises(Ran):
         tc.run_eval(str(ckpt), out, 8, 1, print, reuse=True)                    # retrained: evaluated again
     assert calls and calls[0][1] == "eval" and str(ckpt) in calls[0]
+
+
+def test_reuse_takes_the_reused_runs_step_count_and_refuses_another(tc, tmp_path):
+    side = {"rl_steps": 40}
+    assert tc.reused_steps(side, None, tmp_path / "megatron-rl.side.json") == 40
+    assert tc.reused_steps(side, 40, tmp_path / "megatron-rl.side.json") == 40
+    with pytest.raises(SystemExit, match="has 40 steps, not --steps 12; pass --steps 40"):
+        tc.reused_steps(side, 12, tmp_path / "megatron-rl.side.json")
