@@ -9,7 +9,7 @@ returns; the RSS before and after is logged and sent in the `X-RSS-Before` / `X-
 headers, bytes) -> stale (resumed: allocated again, values undefined, as SGLang without
 `--enable-weights-cpu-backup`) -> resident again once every parameter has been rewritten by
 `/update_weights_from_tensor` or `/update_weights_from_distributed`. A resumed parameter gets the
-same offset from a 64-byte boundary as the one it had (`empty_like_at`): a one-row decode GEMV
+same offset from a 64-byte boundary as the one it had (`empty_at`): a one-row decode GEMV
 rounds by the weights' alignment (safetensors' loaded tensors sit 8 bytes off a line; up to ~1e-5
 per log-prob), so without it the engine's log-probs changed after its first release, and a
 colocated run with `actor.old_logprob_source: rollout` neither equalled the disaggregated one nor
@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import math
 import logging
+import math
 import os
 import time
 from typing import Any, Literal, Optional
@@ -89,7 +89,7 @@ def rss_bytes() -> int:
 def empty_at(shape: torch.Size, dtype: torch.dtype, device: torch.device, offset: int) -> torch.Tensor:
     """`torch.empty(shape)` whose data starts `offset` bytes past a 64-byte boundary (CPU; on other
     devices, or with an offset that is not a multiple of the element size, a plain `torch.empty`)."""
-    item = torch.empty((), dtype=dtype).element_size()
+    item = dtype.itemsize
     if device.type != "cpu" or offset % 64 == 0 or offset % item:
         return torch.empty(shape, dtype=dtype, device=device)
     numel = math.prod(shape)
