@@ -217,7 +217,33 @@ def _check_model_layout(cfg: Config) -> Optional[dict]:
         raise ConfigError(f"trainer.tensor_model_parallel_size {tp} must divide num_attention_heads {heads} ({src})")
     if kv and kv % tp:
         raise ConfigError(f"trainer.tensor_model_parallel_size {tp} must divide num_key_value_heads {kv} ({src})")
-    ffn = hf.get("intermediate_size")
+    moe = hf.get("model_type") == "qwen3_moe"
+    ep = t.expert_model_parallel_size
+    if not moe and (ep != 1 or cfg.actor.router_replay):
+        raise ConfigError(f"trainer.expert_model_parallel_size={ep} / actor.router_replay={cfg.actor.router_replay} "
+                          f"need a Mixture-of-Experts model; {src} has model_type {hf.get('model_type')!r}")
+    if moe:
+        experts = hf.get("num_experts")
+        if experts and experts % ep:
+            raise ConfigError(f"trainer.expert_model_parallel_size {ep} must divide num_experts {experts} ({src})")
+        etp = t.expert_tensor_parallel_size or tp
+        mffn = hf.get("moe_intermediate_size")
+        if mffn and mffn % etp:
+            raise ConfigError(f"trainer.expert_tensor_parallel_size {etp} must divide moe_intermediate_size {mffn} "
+                              f"({src})")
+        if tp > 1 and not t.sequence_parallel:
+            raise ConfigError(f"trainer.tensor_model_parallel_size {tp} with a Mixture-of-Experts model needs "
+                              "trainer.sequence_parallel: true (megatron-core refuses MoE training with TP and no SP)")
+        if ep > 1 and etp != tp:
+            raise ConfigError(f"trainer.expert_tensor_parallel_size {etp} != trainer.tensor_model_parallel_size {tp} "
+                              "with expert parallelism: the weight publisher gathers experts over EP with the TP layout; "
+                              "set them equal")
+        if ep > 1 and cfg.rollout.colocate:
+            raise ConfigError("rollout.colocate with trainer.expert_model_parallel_size > 1 is not supported yet: the "
+                              "colocated hand-over sends from each node's local rank 0 without the EP gather")
+        ffn = None  # the dense intermediate_size is not used by an all-MoE model
+    else:
+        ffn = hf.get("intermediate_size")
     if ffn and ffn % tp:
         raise ConfigError(f"trainer.tensor_model_parallel_size {tp} must divide intermediate_size {ffn} ({src})")
     if layers and layers % pp:

@@ -38,11 +38,13 @@ def use_te_for(transformer_impl: str) -> bool | None:
     return choices[transformer_impl]
 
 
-def transformer_config_for(hf_config: Mapping[str, Any], trainer) -> Any:
+def transformer_config_for(hf_config: Mapping[str, Any], trainer, *, router_replay: bool = False) -> Any:
     """The one place a run's ``TransformerConfig`` is built: the HF architecture plus the
     ``trainer`` section (a ``config.schema.TrainerConfig``): TP/PP/CP sizes, sequence
     parallelism, precision (fp32 | bf16 params and compute), FP8 (format, recipe, amax history
-    length and reduction, margin, FP8 parameter all-gather) and activation recompute.
+    length and reduction, margin, FP8 parameter all-gather), activation recompute and, for a
+    Mixture-of-Experts model, expert parallelism and the router options (:func:`moe_kwargs_for`;
+    ``router_replay``: ``actor.router_replay``, never for the reference model).
 
     Raises:
         ValueError: an unsupported HF config or an inconsistent trainer section (names the key).
@@ -58,7 +60,33 @@ def transformer_config_for(hf_config: Mapping[str, Any], trainer) -> Any:
         fp8=trainer.fp8, fp8_recipe=trainer.fp8_recipe if trainer.fp8 else None,
         fp8_amax_history_len=trainer.fp8_amax_history_len, fp8_amax_compute_algo=trainer.fp8_amax_compute_algo,
         fp8_margin=trainer.fp8_margin, fp8_param_gather=trainer.fp8_param_gather, recompute=trainer.recompute,
+        **moe_kwargs_for(hf_config, trainer, router_replay=router_replay),
     )
+
+
+def moe_kwargs_for(hf_config: Mapping[str, Any], trainer, *, router_replay: bool = False) -> dict:
+    """``build_transformer_config``'s Mixture-of-Experts arguments from the ``trainer`` section
+    (``expert_model_parallel_size``, ``expert_tensor_parallel_size``, ``moe_router_load_balancing_type``,
+    ``moe_aux_loss_coeff``; Megatron's names) and ``actor.router_replay``; {} for a dense model
+    whose trainer section keeps the defaults.
+
+    Raises:
+        ValueError: expert parallelism (or replay) asked of a dense model (names the key).
+    """
+    from megatron_rl.models.hf_config import moe_spec
+
+    ep = getattr(trainer, "expert_model_parallel_size", 1)
+    etp = getattr(trainer, "expert_tensor_parallel_size", None)
+    if moe_spec(hf_config) is None:
+        if ep != 1 or (etp not in (None, trainer.tensor_model_parallel_size)) or router_replay:
+            raise ValueError(f"trainer.expert_model_parallel_size={ep} / trainer.expert_tensor_parallel_size={etp} / "
+                             f"actor.router_replay={router_replay} need a Mixture-of-Experts model; HF config "
+                             f"'model_type'={hf_config.get('model_type')!r} is dense")
+        return {}
+    return dict(expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+                moe_router_load_balancing_type=getattr(trainer, "moe_router_load_balancing_type", "none"),
+                moe_aux_loss_coeff=getattr(trainer, "moe_aux_loss_coeff", 0.0),
+                moe_enable_routing_replay=router_replay)
 
 
 def build_layer_spec(hf_config: Mapping[str, Any], *, use_te: bool | None = None, attention_backend: str = "auto"):
@@ -86,8 +114,13 @@ def build_layer_spec(hf_config: Mapping[str, Any], *, use_te: bool | None = None
         if attention_backend == "sdpa":
             raise ValueError("attention_backend sdpa is for the local layer spec; Transformer Engine layers bring "
                              "their own attention (trainer.transformer_impl: local to use sdpa)")
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_layernorm)
-    layer = get_gpt_layer_local_spec(qk_layernorm=spec.qk_layernorm, normalization="RMSNorm")
+        return get_gpt_layer_with_transformer_engine_spec(
+            num_experts=spec.moe.num_experts if spec.moe else None, moe_grouped_gemm=False,
+            qk_layernorm=spec.qk_layernorm)
+    # MoE: megatron-core's SequentialMLP (one MLP module per local expert; the HF <-> megatron map
+    # in models.hf_weights names them experts.local_experts.<e>)
+    layer = get_gpt_layer_local_spec(num_experts=spec.moe.num_experts if spec.moe else None, moe_grouped_gemm=False,
+                                     qk_layernorm=spec.qk_layernorm, normalization="RMSNorm")
     if attention_backend == "sdpa":
         from megatron_rl.models.sdpa_attention import SDPADotProductAttention
 

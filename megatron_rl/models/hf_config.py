@@ -2,7 +2,8 @@
 
 Supported ``model_type``: ``qwen2`` (Qwen2 / Qwen2.5: GQA, q/k/v bias, RMSNorm, SwiGLU, RoPE),
 ``qwen3`` (as qwen2 without q/k/v bias, with per-head q/k RMSNorm and an explicit ``head_dim``)
-and ``llama`` (no bias, default RoPE only). GPTModel takes the rotary base, the vocabulary and
+``llama`` (no bias, default RoPE only) and ``qwen3_moe`` (Qwen3 attention, every layer's MLP a
+Mixture-of-Experts block: softmax router, top-k, no shared expert). GPTModel takes the rotary base, the vocabulary and
 the embedding tying itself, so those come back separately in :class:`ModelSpec`.
 """
 
@@ -17,7 +18,9 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
+SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama", "qwen3_moe")
+MOE_MODEL_TYPES = ("qwen3_moe",)
+_QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe")
 _RECOMPUTE_CHOICES = (None, "full", "selective")
 
 
@@ -38,7 +41,64 @@ class ModelSpec:
     rotary_base: float
     """RoPE base (HF ``rope_theta``)."""
     qk_layernorm: bool
-    """Per-head RMSNorm on queries and keys (Qwen3)."""
+    """Per-head RMSNorm on queries and keys (Qwen3, Qwen3-MoE)."""
+    moe: "MoESpec | None" = None
+    """The Mixture-of-Experts facts (None for dense models)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoESpec:
+    """Mixture-of-Experts facts of an HF config (Qwen3-MoE: every layer is an MoE layer).
+
+    HF keys: ``num_experts``, ``num_experts_per_tok``, ``moe_intermediate_size``, ``norm_topk_prob``.
+    """
+
+    num_experts: int
+    """Routed experts per layer (HF ``num_experts``)."""
+    topk: int
+    """Experts each token is routed to (HF ``num_experts_per_tok``)."""
+    ffn_hidden_size: int
+    """Hidden size of one expert's SwiGLU MLP (HF ``moe_intermediate_size``)."""
+    norm_topk_prob: bool
+    """Whether the top-k gate probabilities are renormalised to sum to 1 (HF ``norm_topk_prob``).
+    True: softmax over the k chosen logits (megatron ``moe_router_pre_softmax=False``); False:
+    softmax over all experts, the k probabilities taken as they are (``moe_router_pre_softmax=True``)."""
+
+
+def moe_spec(hf_config: Mapping[str, Any]) -> MoESpec | None:
+    """The :class:`MoESpec` of an HF config, None for a dense ``model_type``.
+
+    Refused (``ValueError`` naming the HF key): shared experts (``shared_expert_intermediate_size``
+    > 0, ``n_shared_experts`` > 0), dense layers among the MoE ones (``mlp_only_layers`` not empty,
+    ``decoder_sparse_step`` != 1, ``first_k_dense_replace`` > 0), top-k > experts, and a router
+    other than softmax (``scoring_func``).
+    """
+    model_type = _model_type(hf_config)
+    if model_type not in MOE_MODEL_TYPES:
+        return None
+    for key in ("shared_expert_intermediate_size", "n_shared_experts"):
+        if hf_config.get(key):
+            raise ValueError(f"unsupported HF config key {key!r}={hf_config[key]!r}: shared experts are not "
+                             "supported yet (Qwen3-MoE has none)")
+    if hf_config.get("mlp_only_layers"):
+        raise ValueError(f"unsupported HF config key 'mlp_only_layers'={hf_config['mlp_only_layers']!r}: dense "
+                         "layers among MoE layers are not supported yet (every layer must be an MoE layer)")
+    if int(hf_config.get("decoder_sparse_step", 1) or 1) != 1:
+        raise ValueError(f"unsupported HF config key 'decoder_sparse_step'={hf_config['decoder_sparse_step']!r}: "
+                         "only 1 (every layer an MoE layer) is supported")
+    if hf_config.get("first_k_dense_replace"):
+        raise ValueError(f"unsupported HF config key 'first_k_dense_replace'={hf_config['first_k_dense_replace']!r}: "
+                         "dense-first layers are not supported yet")
+    if hf_config.get("scoring_func", "softmax") != "softmax":
+        raise ValueError(f"unsupported HF config key 'scoring_func'={hf_config['scoring_func']!r}: only 'softmax'")
+    num_experts = int(_require(hf_config, "num_experts"))
+    topk = int(_require(hf_config, "num_experts_per_tok"))
+    if num_experts < 1 or not 1 <= topk <= num_experts:
+        raise ValueError(f"HF config keys 'num_experts'={num_experts}, 'num_experts_per_tok'={topk}: need "
+                         "1 <= num_experts_per_tok <= num_experts")
+    return MoESpec(num_experts=num_experts, topk=topk,
+                   ffn_hidden_size=int(_require(hf_config, "moe_intermediate_size")),
+                   norm_topk_prob=bool(hf_config.get("norm_topk_prob", False)))
 
 
 def _require(hf_config: Mapping[str, Any], key: str) -> Any:
@@ -119,7 +179,8 @@ def build_model_spec(
         tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", model_type != "llama")),
         max_position_embeddings=int(_require(hf_config, "max_position_embeddings")),
         rotary_base=_rope_theta(hf_config),
-        qk_layernorm=model_type == "qwen3",
+        qk_layernorm=model_type in _QK_NORM_MODEL_TYPES,
+        moe=moe_spec(hf_config),
     )
 
 
@@ -143,6 +204,11 @@ def build_transformer_config(
     deterministic_mode: bool = False,
     attention_dropout: float = 0.0,
     hidden_dropout: float = 0.0,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
+    moe_router_load_balancing_type: str = "none",
+    moe_aux_loss_coeff: float = 0.0,
+    moe_enable_routing_replay: bool = False,
 ):
     """Build megatron-core's ``TransformerConfig`` from an HF ``config.json`` dict.
 
@@ -152,6 +218,14 @@ def build_transformer_config(
     (gated_linear_unit + F.silu), initializer_range -> init_method_std, q/k/v bias for qwen2
     (add_qkv_bias), no bias elsewhere (add_bias_linear=False), qk_layernorm for qwen3. The rotary
     base and vocabulary are not TransformerConfig fields: use :func:`build_model_spec`.
+
+    Mixture-of-Experts (``qwen3_moe``): num_experts -> num_moe_experts, num_experts_per_tok ->
+    moe_router_topk, moe_intermediate_size -> moe_ffn_hidden_size (and ffn_hidden_size: every layer
+    is an MoE layer, and megatron's SequentialMLP deep-copies the config, process groups included,
+    when the two differ), norm_topk_prob -> moe_router_pre_softmax = not norm_topk_prob (softmax
+    over the k chosen logits equals HF's renormalised top-k of the full softmax), the router in
+    fp32 (moe_router_dtype), megatron's SequentialMLP experts (moe_grouped_gemm=False) and the
+    alltoall token dispatcher.
 
     Args:
         hf_config: the parsed HF config.json.
@@ -170,6 +244,14 @@ def build_transformer_config(
         recompute: None, "full" (uniform, every layer) or "selective" activation recomputation.
         deterministic_mode: megatron's deterministic mode.
         attention_dropout, hidden_dropout: dropout probabilities in [0, 1).
+        expert_model_parallel_size: EP size (MoE only): the experts of a layer are split over this
+            many ranks (megatron's ``expert_model_parallel_size``).
+        expert_tensor_parallel_size: tensor parallelism inside an expert (None: = TP size).
+        moe_router_load_balancing_type: "none" | "aux_loss" | "seq_aux_loss" | "global_aux_loss"
+            (megatron's names; Megatron-LM ``--moe-router-load-balancing-type``).
+        moe_aux_loss_coeff: the load-balancing loss coefficient (``--moe-aux-loss-coeff``), >= 0.
+        moe_enable_routing_replay: build the routers with megatron-core's ``RouterReplay`` (rollout
+            routing replay, ALGORITHMS.md section 9).
 
     Returns:
         ``megatron.core.transformer.TransformerConfig``.
@@ -185,7 +267,10 @@ def build_transformer_config(
     num_layers = int(_require(hf_config, "num_hidden_layers"))
     num_heads = int(_require(hf_config, "num_attention_heads"))
     num_kv_heads = int(hf_config.get("num_key_value_heads") or num_heads)
-    ffn_hidden_size = int(_require(hf_config, "intermediate_size"))
+    if model_type in MOE_MODEL_TYPES and hf_config.get("intermediate_size") is None:
+        ffn_hidden_size = int(_require(hf_config, "moe_intermediate_size"))  # no dense MLP in the model
+    else:
+        ffn_hidden_size = int(_require(hf_config, "intermediate_size"))
     eps = float(_require(hf_config, "rms_norm_eps"))
     hidden_act = _require(hf_config, "hidden_act")
     if hidden_act != "silu":
@@ -237,6 +322,35 @@ def build_transformer_config(
         raise ValueError(f"fp8_amax_history_len must be >= 1 and fp8_margin >= 0, got {fp8_amax_history_len}, "
                          f"{fp8_margin}")
     _rope_theta(hf_config)  # validate here so a bad RoPE fails at config time
+    moe = moe_spec(hf_config)
+    if moe is None and (expert_model_parallel_size != 1 or moe_enable_routing_replay):
+        raise ValueError(f"expert_model_parallel_size={expert_model_parallel_size} / routing replay need a "
+                         f"Mixture-of-Experts model; HF config 'model_type'={model_type!r} is dense")
+    if expert_tensor_parallel_size is None:
+        expert_tensor_parallel_size = tensor_model_parallel_size
+    moe_kwargs: dict[str, Any] = {}
+    if moe is not None:
+        if moe.num_experts % expert_model_parallel_size != 0:
+            raise ValueError(f"HF config key 'num_experts'={moe.num_experts} is not divisible by "
+                             f"expert_model_parallel_size={expert_model_parallel_size}")
+        if moe.ffn_hidden_size % expert_tensor_parallel_size != 0:
+            raise ValueError(f"HF config key 'moe_intermediate_size'={moe.ffn_hidden_size} is not divisible by "
+                             f"expert_tensor_parallel_size={expert_tensor_parallel_size}")
+        if moe_router_load_balancing_type not in ("none", "aux_loss", "seq_aux_loss", "global_aux_loss"):
+            raise ValueError("moe_router_load_balancing_type must be none | aux_loss | seq_aux_loss | "
+                             f"global_aux_loss, got {moe_router_load_balancing_type!r}")
+        if not moe_aux_loss_coeff >= 0:
+            raise ValueError(f"moe_aux_loss_coeff must be >= 0, got {moe_aux_loss_coeff!r}")
+        ffn_hidden_size = moe.ffn_hidden_size
+        moe_kwargs = dict(
+            num_moe_experts=moe.num_experts, moe_router_topk=moe.topk, moe_ffn_hidden_size=moe.ffn_hidden_size,
+            moe_router_pre_softmax=not moe.norm_topk_prob, moe_router_score_function="softmax",
+            moe_router_dtype="fp32", moe_grouped_gemm=False,
+            moe_router_load_balancing_type=moe_router_load_balancing_type, moe_aux_loss_coeff=moe_aux_loss_coeff,
+            moe_enable_routing_replay=moe_enable_routing_replay, moe_permute_fusion=False, moe_router_fusion=False,
+            expert_model_parallel_size=expert_model_parallel_size,
+            expert_tensor_parallel_size=expert_tensor_parallel_size,
+        )
 
     recompute_kwargs: dict[str, Any] = {}
     if recompute == "full":
@@ -253,7 +367,7 @@ def build_transformer_config(
         kv_channels=int(head_dim),
         normalization="RMSNorm",
         layernorm_epsilon=eps,
-        qk_layernorm=model_type == "qwen3",
+        qk_layernorm=model_type in _QK_NORM_MODEL_TYPES,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
@@ -291,5 +405,6 @@ def build_transformer_config(
         # Dense models have no MoE layer; megatron rejects the default "allgather" dispatcher with
         # variable_seq_lengths even so.
         moe_token_dispatcher_type="alltoall",
+        **moe_kwargs,
         **recompute_kwargs,
     )

@@ -18,7 +18,18 @@ model.layers.L.mlp.{gate,up}_proj.weight               decoder.layers.L.mlp.line
 model.layers.L.mlp.down_proj.weight                    decoder.layers.L.mlp.linear_fc2.weight
 model.norm.weight                                      decoder.final_layernorm.weight
 lm_head.weight (untied only)                           output_layer.weight [Vp/tp, h]
+Mixture-of-Experts layers (qwen3_moe), instead of the mlp rows above (E = global expert index):
+model.layers.L.mlp.gate.weight [E_n, h]                decoder.layers.L.mlp.router.weight (replicated)
+model.layers.L.mlp.experts.E.{gate,up}_proj.weight     decoder.layers.L.mlp.experts.local_experts.e.linear_fc1.weight
+model.layers.L.mlp.experts.E.down_proj.weight          decoder.layers.L.mlp.experts.local_experts.e.linear_fc2.weight
 =====================================================  ===============================================
+
+Experts: an expert-parallel rank r of EP holds the experts ``[r*E_n/EP, (r+1)*E_n/EP)`` as its local
+experts ``e = E - r*E_n/EP``; inside an expert the fc1/fc2 shards follow the dense rules over the
+expert-tensor-parallel group (ETP, = TP unless set). The HF names are the on-disk per-expert
+names (what safetensors checkpoints, SGLang and vLLM use); transformers >= 5 fuses them in memory
+into ``mlp.experts.gate_up_proj`` [E_n, 2F, h] and ``mlp.experts.down_proj`` [E_n, h, F]
+(:func:`unfuse_hf_experts` / :func:`fuse_hf_experts` convert an in-memory state dict).
 
 Fused layouts. ``linear_qkv`` rows are grouped per query group g (ng = num_key_value_heads
 groups, np/ng query heads each, head dim hn): ``[q heads of g (np/ng*hn rows), k_g (hn), v_g (hn)]``
@@ -96,6 +107,60 @@ def _pad_vocab(weight: torch.Tensor, padded_rows: int) -> torch.Tensor:
         return weight
     pad = weight.new_zeros(padded_rows - weight.shape[0], *weight.shape[1:])
     return torch.cat([weight, pad], dim=0)
+
+
+# --------------------------------------------------------------------------- HF expert layouts
+
+_FUSED_GATE_UP, _FUSED_DOWN = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
+
+
+def unfuse_hf_experts(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An HF state dict with transformers' in-memory fused experts (``model.layers.L.mlp.experts.
+    gate_up_proj`` [E_n, 2F, h], ``...down_proj`` [E_n, h, F]) -> the on-disk per-expert names
+    (``mlp.experts.E.{gate,up,down}_proj.weight``), in that order per layer; other tensors pass
+    unchanged (views, no copy). A dict without fused experts comes back as a copy of itself.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state_dict.items():
+        if name.endswith(_FUSED_GATE_UP):
+            prefix = name[: -len(_FUSED_GATE_UP)]
+            for e in range(tensor.shape[0]):
+                gate, up = torch.chunk(tensor[e], 2, dim=0)
+                out[f"{prefix}mlp.experts.{e}.gate_proj.weight"] = gate
+                out[f"{prefix}mlp.experts.{e}.up_proj.weight"] = up
+                down = state_dict[prefix + _FUSED_DOWN]
+                out[f"{prefix}mlp.experts.{e}.down_proj.weight"] = down[e]
+        elif not name.endswith(_FUSED_DOWN):
+            out[name] = tensor
+    return out
+
+
+def fuse_hf_experts(named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`unfuse_hf_experts`: per-expert HF names -> transformers' fused in-memory
+    ``mlp.experts.gate_up_proj`` / ``down_proj`` (a layer's experts must all be present).
+
+    Raises:
+        ValueError: a layer whose expert indices are not 0..E_n-1 or lack a projection.
+    """
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for name, tensor in named.items():
+        parts = name.split(".")
+        if ".mlp.experts." in name and parts[-1] == "weight" and parts[-3].isdigit():
+            prefix = name[: name.index("mlp.experts.")]
+            experts.setdefault(prefix, {}).setdefault(int(parts[-3]), {})[parts[-2]] = tensor
+        else:
+            out[name] = tensor
+    for prefix, by_index in experts.items():
+        if sorted(by_index) != list(range(len(by_index))) or any(
+                set(p) != {"gate_proj", "up_proj", "down_proj"} for p in by_index.values()):
+            raise ValueError(f"{prefix}mlp.experts: experts {sorted(by_index)} are not 0..n-1 each with gate_proj, "
+                             "up_proj and down_proj")
+        order = range(len(by_index))
+        out[prefix + _FUSED_GATE_UP] = torch.stack(
+            [torch.cat([by_index[e]["gate_proj"], by_index[e]["up_proj"]], dim=0) for e in order])
+        out[prefix + _FUSED_DOWN] = torch.stack([by_index[e]["down_proj"] for e in order])
+    return out
 
 
 # --------------------------------------------------------------------------- tensor sources
@@ -186,8 +251,19 @@ def _layer_entries(layer, hf_index: int, fused_norms: bool) -> list[tuple[str, A
         norm = getattr(attn, mc, None)
         if getattr(norm, "weight", None) is not None:
             add(f"self_attention.{mc}.weight", norm.weight, [f"self_attn.{hf}.weight"], _REPLICATED)
-    add("mlp.linear_fc1.weight", mlp.linear_fc1.weight, ["mlp.gate_proj.weight", "mlp.up_proj.weight"], "fc1")
-    add("mlp.linear_fc2.weight", mlp.linear_fc2.weight, ["mlp.down_proj.weight"], _ROW)
+    if hasattr(mlp, "router"):  # Mixture-of-Experts layer (SequentialMLP experts)
+        add("mlp.router.weight", mlp.router.weight, ["mlp.gate.weight"], _REPLICATED)
+        experts = mlp.experts.local_experts
+        first = _expert_offset(mlp, len(experts))
+        for e, expert in enumerate(experts):
+            g = first + e
+            add(f"mlp.experts.local_experts.{e}.linear_fc1.weight", expert.linear_fc1.weight,
+                [f"mlp.experts.{g}.gate_proj.weight", f"mlp.experts.{g}.up_proj.weight"], "expert_fc1")
+            add(f"mlp.experts.local_experts.{e}.linear_fc2.weight", expert.linear_fc2.weight,
+                [f"mlp.experts.{g}.down_proj.weight"], "expert_row")
+    else:
+        add("mlp.linear_fc1.weight", mlp.linear_fc1.weight, ["mlp.gate_proj.weight", "mlp.up_proj.weight"], "fc1")
+        add("mlp.linear_fc2.weight", mlp.linear_fc2.weight, ["mlp.down_proj.weight"], _ROW)
     if fused_norms:  # Transformer Engine spec: each norm lives in the linear that follows it
         add("self_attention.linear_qkv.layer_norm_weight", attn.linear_qkv.layer_norm_weight,
             ["input_layernorm.weight"], _REPLICATED)
@@ -200,11 +276,23 @@ def _layer_entries(layer, hf_index: int, fused_norms: bool) -> list[tuple[str, A
     return entries
 
 
+def _expert_offset(moe_layer, num_local: int) -> int:
+    """Global index of this rank's first local expert: ep_rank x num_local (megatron's layout)."""
+    experts = moe_layer.experts
+    ep_group = getattr(experts, "ep_group", None)
+    if ep_group is None:
+        ep_group = getattr(getattr(moe_layer, "pg_collection", None), "ep", None)
+    ep_rank = 0 if ep_group is None else dist.get_rank(ep_group)
+    return ep_rank * num_local
+
+
 def _model_entries(model) -> list[tuple[str, Any, list[str], Any]]:
     """(megatron name, param, HF names, kind) for every parameter of one pipeline stage.
 
     Kinds: "qkv", "fc1", "vocab", "vocab_tied_copy" (the last stage's copy of a tied
-    embedding at PP > 1: loaded, never exported), _ROW (split along dim 1), _REPLICATED.
+    embedding at PP > 1: loaded, never exported), _ROW (split along dim 1), _REPLICATED, and for
+    experts "expert_fc1" / "expert_row" (as "fc1" / _ROW over the expert-tensor-parallel group,
+    one expert of the expert-parallel group).
     """
     model = _unwrap(model)
     entries: list[tuple[str, Any, list[str], Any]] = []
@@ -238,8 +326,11 @@ def load_hf_weights(
     *,
     tp_rank: int = 0,
     tp_size: int = 1,
+    etp_rank: int | None = None,
+    etp_size: int | None = None,
 ) -> None:
-    """Copy HF weights into a megatron-core GPTModel (this TP rank's shard, this PP stage's layers).
+    """Copy HF weights into a megatron-core GPTModel (this TP rank's shard, this PP stage's layers,
+    this expert-parallel rank's experts).
 
     Args:
         model: ``GPTModel`` (optionally DDP-wrapped) built by ``models.builder.build_model``.
@@ -247,6 +338,8 @@ def load_hf_weights(
             ``model.safetensors.index.json``) or an HF-named state dict (e.g.
             ``Qwen2ForCausalLM.state_dict()``); tensors of any float dtype, cast to the params'.
         tp_rank, tp_size: this rank's tensor-parallel coordinates.
+        etp_rank, etp_size: this rank's expert-tensor-parallel coordinates (MoE; None: = TP's).
+            The expert-parallel rank is the model's own (its experts know their group).
 
     Padded vocabulary rows (index >= HF vocab size) are set to zero. With tied embeddings
     ``lm_head.weight`` is not read. Tensors are copied one by one (no second copy of the
@@ -264,16 +357,30 @@ def load_hf_weights(
             f"tp_size={tp_size} but the model was built with tensor_model_parallel_size="
             f"{config.tensor_model_parallel_size}"
         )
+    etp_rank = tp_rank if etp_rank is None else etp_rank
+    etp_size = tp_size if etp_size is None else etp_size
+    if config.num_moe_experts and (config.expert_tensor_parallel_size or tp_size) != etp_size:
+        raise ValueError(f"etp_size={etp_size} but the model was built with expert_tensor_parallel_size="
+                         f"{config.expert_tensor_parallel_size}")
+    if isinstance(hf_dir_or_state_dict, Mapping):
+        hf_dir_or_state_dict = unfuse_hf_experts(hf_dir_or_state_dict)
     source = HFTensors(hf_dir_or_state_dict)
     num_groups = config.num_query_groups or config.num_attention_heads
     used: set[str] = set()
-    for name, param, hf_names, kind in _model_entries(model):
+    entries = _model_entries(model)
+    if config.num_moe_experts:  # every expert of the checkpoint is used by some EP rank
+        used.update(n for n in source.names() if ".mlp.experts." in n)
+    for name, param, hf_names, kind in entries:
         used.update(hf_names)
         tensors = [source.get(n) for n in hf_names]
         if kind == "qkv":
             local = _shard(_fuse_qkv(*tensors, num_groups), 0, tp_rank, tp_size)
         elif kind == "fc1":
             local = _shard_fc1(*tensors, tp_rank, tp_size)
+        elif kind == "expert_fc1":
+            local = _shard_fc1(*tensors, etp_rank, etp_size)
+        elif kind == "expert_row":
+            local = _shard(tensors[0], 1, etp_rank, etp_size)
         elif kind in ("vocab", "vocab_tied_copy"):
             local = _shard(_pad_vocab(tensors[0], param.shape[0] * tp_size), 0, tp_rank, tp_size)
         else:
@@ -313,6 +420,8 @@ def iter_hf_weights(
     *,
     tp_group=None,
     copy: bool = True,
+    ep_group=None,
+    etp_group=None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield full HF-named tensors of this pipeline stage, in HF ``state_dict`` order.
 
@@ -333,6 +442,14 @@ def iter_hf_weights(
         hf_config: the HF config the model was built from (vocabulary size).
         tp_group: tensor-parallel group; None or a group of size 1 means no gather.
         copy: False: views where possible (above) instead of copies.
+        ep_group: expert-parallel group (MoE): every rank of it must iterate; each local expert is
+            all-gathered over it, so every rank yields every expert of the layer (in global expert
+            order). None or size 1: this rank's own experts only, under their global indices.
+        etp_group: expert-tensor-parallel group (MoE); None: ``tp_group`` when the model's
+            expert TP equals its TP, else required.
+
+    MoE layers yield ``mlp.gate.weight`` then each expert's gate/up/down projections, expert by
+    expert, in place of the dense MLP's three tensors.
 
     Raises:
         ValueError: unsupported HF config, or a parameter whose TP partitioning cannot be
@@ -343,10 +460,39 @@ def iter_hf_weights(
     num_groups = config.num_query_groups or config.num_attention_heads
     head_dim = config.kv_channels
     tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
-    check_partitioning(model, hf_config, tp_size)  # before the first tensor leaves (case B24)
+    etp_size = tp_size
+    if config.num_moe_experts:
+        want_etp = config.expert_tensor_parallel_size or config.tensor_model_parallel_size
+        if etp_group is None and want_etp != config.tensor_model_parallel_size and want_etp > 1:
+            raise ValueError(f"the model's expert_tensor_parallel_size={want_etp} differs from its TP size: pass "
+                             "etp_group to gather the expert shards")
+        etp_group = tp_group if etp_group is None else etp_group
+        etp_size = 1 if etp_group is None else dist.get_world_size(etp_group)
+    ep_size = 1 if ep_group is None else dist.get_world_size(ep_group)
+    check_partitioning(model, hf_config, tp_size, etp_size=etp_size)  # before the first tensor leaves (case B24)
 
     def gather(local: torch.Tensor, dim: int) -> list[torch.Tensor]:
         return [local] if tp_size == 1 else _all_gather(local, dim, tp_group)
+
+    def egather(local: torch.Tensor, dim: int) -> list[torch.Tensor]:
+        return [local] if etp_size == 1 else _all_gather(local, dim, etp_group)
+
+    def over_ep(hf_names: list[str], outputs: tuple) -> list[tuple[str, torch.Tensor]]:
+        """This rank's expert tensors -> those of the same local expert on every EP rank."""
+        if ep_size == 1:
+            return list(zip(hf_names, outputs, strict=True))
+        per_rank = [_all_gather(t, 0, ep_group) for t in outputs]  # [tensor][ep rank]
+        local_first = int(hf_names[0].split(".")[5])
+        num_local = config.num_moe_experts // ep_size
+        local_index = local_first % num_local
+        named = []
+        for r in range(ep_size):
+            g = r * num_local + local_index
+            for name, parts in zip(hf_names, per_rank, strict=True):
+                pieces = name.split(".")
+                pieces[5] = str(g)
+                named.append((".".join(pieces), parts[r]))
+        return named
 
     def joined(parts: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
         return parts[0] if len(parts) == 1 and not copy else torch.cat(parts, dim=dim)
@@ -365,6 +511,14 @@ def iter_hf_weights(
         elif kind == "fc1":
             halves = [torch.chunk(shard, 2, dim=0) for shard in gather(local, 0)]
             outputs = (joined([h[0] for h in halves]), joined([h[1] for h in halves]))
+        elif kind in ("expert_fc1", "expert_row"):
+            if kind == "expert_fc1":
+                halves = [torch.chunk(shard, 2, dim=0) for shard in egather(local, 0)]
+                outputs = (joined([h[0] for h in halves]), joined([h[1] for h in halves]))
+            else:
+                outputs = (joined(egather(local, 1), 1),)
+            pending.extend((n, t.clone() if copy and ep_size == 1 else t) for n, t in over_ep(hf_names, outputs))
+            continue
         elif kind == "vocab":
             outputs = (joined(gather(local, 0))[: spec.vocab_size],)
         elif kind is _REPLICATED:
@@ -390,15 +544,19 @@ _HF_LAYER_ORDER = (
     "mlp.gate_proj.weight",
     "mlp.up_proj.weight",
     "mlp.down_proj.weight",
+    "mlp.experts",  # MoE: mlp.experts.E.{gate,up,down}_proj.weight, then the router
+    "mlp.gate.weight",
     "input_layernorm.weight",
     "post_attention_layernorm.weight",
 )
+_EXPERT_PROJ_ORDER = ("gate_proj", "up_proj", "down_proj")
 
 
-_NAME_PARTITION_DIM = {"qkv": 0, "fc1": 0, "vocab": 0, "vocab_tied_copy": 0, _ROW: 1, _REPLICATED: None}
+_NAME_PARTITION_DIM = {"qkv": 0, "fc1": 0, "vocab": 0, "vocab_tied_copy": 0, _ROW: 1, _REPLICATED: None,
+                       "expert_fc1": 0, "expert_row": 1}
 
 
-def check_partitioning(model, hf_config: Mapping[str, Any], tp_size: int) -> None:
+def check_partitioning(model, hf_config: Mapping[str, Any], tp_size: int, *, etp_size: int | None = None) -> None:
     """Fail fast, before any tensor is gathered or sent, unless every parameter of this stage has
     a known TP partitioning consistent with the HF shapes (case B24, slime#2280).
 
@@ -408,7 +566,7 @@ def check_partitioning(model, hf_config: Mapping[str, Any], tp_size: int) -> Non
     attributes, so a parameter that lost those attributes is still gathered correctly. Checked:
     every parameter is mapped to HF names; where megatron's attributes are present they agree
     with the name; the local shape times ``tp_size`` along that dim equals the full HF shape (the
-    vocabulary may be padded).
+    vocabulary may be padded). Expert weights are checked against ``etp_size`` (None: = tp_size).
 
     Raises:
         ValueError: an unmapped parameter, contradicting metadata, or a local shape that is not a
@@ -421,8 +579,11 @@ def check_partitioning(model, hf_config: Mapping[str, Any], tp_size: int) -> Non
         if id(param) not in mapped:
             raise ValueError(f"parameter {name} {tuple(param.shape)} has no HF mapping: refusing to export or sync "
                              "a partial model")
+    dense_tp = tp_size
     for name, param, hf_names, kind in entries:
         dim = _NAME_PARTITION_DIM[kind]
+        is_expert = isinstance(kind, str) and kind.startswith("expert_")
+        tp_size = (dense_tp if etp_size is None else etp_size) if is_expert else dense_tp
         if tp_size > 1 and getattr(param, "tensor_model_parallel", None) is not None:
             meta = getattr(param, "partition_dim", None) if param.tensor_model_parallel else None
             if meta is not None and meta < 0:
@@ -432,7 +593,7 @@ def check_partitioning(model, hf_config: Mapping[str, Any], tp_size: int) -> Non
         shapes = [expected.get(h) for h in hf_names]
         if kind == "vocab_tied_copy" or any(sh is None for sh in shapes):
             continue  # tied copy (never exported) / names checked by expected_hf_shapes' config
-        if kind in ("qkv", "fc1"):
+        if kind in ("qkv", "fc1", "expert_fc1"):
             full = (sum(sh[0] for sh in shapes), *shapes[0][1:])
         else:
             full = shapes[0]
@@ -458,11 +619,15 @@ def _unit_of(hf_name: str) -> str:
 
 
 def _in_hf_order(named: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    def key(item: tuple[str, torch.Tensor]) -> int:
+    def key(item: tuple[str, torch.Tensor]) -> tuple[int, int, int]:
         name = item[0]
         if name.startswith("model.layers."):
-            return _HF_LAYER_ORDER.index(name.split(".", 3)[3])
-        return 0
+            suffix = name.split(".", 3)[3]
+            if suffix.startswith("mlp.experts."):  # mlp.experts.E.<proj>.weight (HF registers them first)
+                _, _, e, proj, _ = suffix.split(".")
+                return (_HF_LAYER_ORDER.index("mlp.experts"), int(e), _EXPERT_PROJ_ORDER.index(proj))
+            return (_HF_LAYER_ORDER.index(suffix), 0, 0)
+        return (0, 0, 0)
 
     return iter(sorted(named, key=key))  # stable: non-layer units keep their order
 
@@ -535,6 +700,7 @@ def expected_hf_shapes(hf_config: Mapping[str, Any]) -> dict[str, tuple[int, ...
     spec = build_model_spec(hf_config)
     tf = build_transformer_config(hf_config)
     h, ffn, hn = tf.hidden_size, tf.ffn_hidden_size, tf.kv_channels
+    moe = spec.moe
     nq, nkv = tf.num_attention_heads, tf.num_query_groups or tf.num_attention_heads
     per_layer = {
         "self_attn.q_proj.weight": (nq * hn, h), "self_attn.q_proj.bias": (nq * hn,),
@@ -549,11 +715,21 @@ def expected_hf_shapes(hf_config: Mapping[str, Any]) -> dict[str, tuple[int, ...
         per_layer = {k: v for k, v in per_layer.items() if not k.endswith("proj.bias")}
     if not spec.qk_layernorm:
         per_layer = {k: v for k, v in per_layer.items() if not k.endswith("_norm.weight")}
+    if moe is not None:
+        per_layer = {k: v for k, v in per_layer.items() if not k.startswith("mlp.")}
+        per_layer["mlp.gate.weight"] = (moe.num_experts, h)
     shapes = {"model.embed_tokens.weight": (spec.vocab_size, h)}
     for layer in range(tf.num_layers):
         for suffix in _HF_LAYER_ORDER:
             if suffix in per_layer:
                 shapes[f"model.layers.{layer}.{suffix}"] = per_layer[suffix]
+            if suffix == "mlp.experts" and moe is not None:
+                f = moe.ffn_hidden_size
+                for e in range(moe.num_experts):
+                    p = f"model.layers.{layer}.mlp.experts.{e}."
+                    shapes[p + "gate_proj.weight"] = (f, h)
+                    shapes[p + "up_proj.weight"] = (f, h)
+                    shapes[p + "down_proj.weight"] = (h, f)
     shapes["model.norm.weight"] = (h,)
     if not spec.tie_word_embeddings:
         shapes["lm_head.weight"] = (spec.vocab_size, h)

@@ -12,6 +12,11 @@ available, :func:`enable_cpu_compat` maps them to the CPU:
 - ``torch.cuda.current_device`` -> 0, ``set_device`` / ``synchronize`` / ``empty_cache`` ->
   no-ops, ``Stream`` / ``Event`` / ``current_stream`` / ``default_stream`` / ``stream`` ->
   inert stand-ins (DDP grad buffers);
+- the MoE token dispatcher's all-to-all (``tensor_parallel.mappings._AllToAll.forward``): gloo
+  refuses split sizes given as tensors (CUDA converts them, CPU does not), and the output is
+  allocated on ``torch.cuda.current_device()``, which in the backward pass (where the function
+  mode is not active: autograd runs the backward outside it) names a CUDA device. The CPU
+  version takes the split sizes as lists and allocates on the input's device;
 - CUDA RNG (``torch.cuda.get_rng_state`` / ``set_rng_state`` / ``manual_seed`` and megatron's
   ``_get_cuda_rng_state`` / ``_set_cuda_rng_state``, which go through ``_lazy_call`` and would
   never run) -> the CPU default generator, so the RNG tracker's ``fork`` really switches the
@@ -181,9 +186,41 @@ def _patch_torch_cuda() -> None:
         _set(owner, "manual_seed", _cpu_manual_seed)
 
 
+def _split_list(sizes: Any) -> Any:
+    """Split sizes as a list of ints (gloo's ``all_to_all_single`` takes no tensor); None stays."""
+    if sizes is None:
+        return None
+    if isinstance(sizes, torch.Tensor):
+        return [int(v) for v in sizes.tolist()]
+    return [int(v) for v in sizes]
+
+
+def _cpu_all_to_all_forward(ctx, group, input, output_split_sizes, input_split_sizes, use_nccl_stream=False):
+    """megatron-core's ``_AllToAll.forward`` on CPU (see the module docstring)."""
+    import torch.distributed as dist
+
+    output_split_sizes, input_split_sizes = _split_list(output_split_sizes), _split_list(input_split_sizes)
+    ctx.group = group
+    ctx.output_split_sizes = output_split_sizes
+    ctx.input_split_sizes = input_split_sizes
+    ctx.use_nccl_stream = use_nccl_stream
+    if group.size() == 1:
+        return input
+    input = input.contiguous()
+    if output_split_sizes is None:
+        output = torch.empty_like(input)
+    else:
+        output = input.new_empty([sum(output_split_sizes)] + list(input.size()[1:]))
+    dist.all_to_all_single(output, input, output_split_sizes=output_split_sizes,
+                           input_split_sizes=input_split_sizes, group=group)
+    return output
+
+
 def _patch_megatron() -> None:
+    from megatron.core.tensor_parallel import mappings as mc_mappings
     from megatron.core.tensor_parallel import random as mc_random
 
+    _set(mc_mappings._AllToAll, "forward", staticmethod(_cpu_all_to_all_forward))
     _set(mc_random, "_get_cuda_rng_state", _cpu_get_rng_state)
     _set(mc_random, "_set_cuda_rng_state", _cpu_set_rng_state)
     _state["filter"] = _DropForkWarning()

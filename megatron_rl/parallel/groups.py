@@ -60,6 +60,18 @@ class ProcessGroups:
     dp_rank: int
     cp_size: int
     cp_rank: int
+    ep: Any = None
+    """Expert-model-parallel group (the ranks that split one layer's experts); size 1 without EP."""
+    ep_size: int = 1
+    ep_rank: int = 0
+    etp: Any = None
+    """Expert-tensor-parallel group (tensor parallelism inside an expert)."""
+    etp_size: int = 1
+    etp_rank: int = 0
+    edp: Any = None
+    """Expert-data-parallel group (ranks holding the same experts: expert gradients are reduced here)."""
+    edp_rank: int = 0
+    """Rank in ``edp``: the ranks with 0 hold, together, one copy of every weight of their stage."""
     pg_collection: Any
     """megatron-core ``ProcessGroupCollection`` for APIs that take ``pg_collection=``."""
     timeout_s: int
@@ -76,11 +88,13 @@ class ProcessGroups:
         return self.pp_rank == self.pp_size - 1
 
 
-def _check_sizes(world_size: int, tp: int, pp: int, cp: int) -> None:
+def _check_sizes(world_size: int, tp: int, pp: int, cp: int, ep: int = 1, etp: int | None = None) -> None:
     for name, value in (
         ("tensor_model_parallel_size", tp),
         ("pipeline_model_parallel_size", pp),
         ("context_parallel_size", cp),
+        ("expert_model_parallel_size", ep),
+        ("expert_tensor_parallel_size", tp if etp is None else etp),
     ):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -90,6 +104,12 @@ def _check_sizes(world_size: int, tp: int, pp: int, cp: int) -> None:
             f"world size {world_size} is not divisible by tensor_model_parallel_size x "
             f"pipeline_model_parallel_size x context_parallel_size = {tp} x {pp} x {cp}"
         )
+    expert_parallel = (tp if etp is None else etp) * ep * pp
+    if world_size % expert_parallel != 0:
+        raise ValueError(
+            f"world size {world_size} is not divisible by expert_tensor_parallel_size x expert_model_parallel_size x "
+            f"pipeline_model_parallel_size = {tp if etp is None else etp} x {ep} x {pp} (megatron's expert layout)"
+        )
 
 
 def initialize_parallel(
@@ -97,6 +117,8 @@ def initialize_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     context_parallel_size: int = 1,
+    expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,
     backend: str = "gloo",
     timeout_s: int = 600,
     seed: int = 1234,
@@ -112,6 +134,9 @@ def initialize_parallel(
         tensor_model_parallel_size: TP size, >= 1.
         pipeline_model_parallel_size: PP size, >= 1.
         context_parallel_size: CP size, >= 1. The data-parallel size is the rest of the world.
+        expert_model_parallel_size: EP size, >= 1 (Mixture-of-Experts layers: each rank holds
+            num_experts / EP experts of a layer; the expert layout is ETP x EP x expert-DP x PP).
+        expert_tensor_parallel_size: tensor parallelism inside an expert; None = TP size.
         backend: "gloo" (CPU) or "nccl" (GPU).
         timeout_s: timeout of every collective, seconds.
         seed: base seed of the RNG tracker.
@@ -140,12 +165,15 @@ def initialize_parallel(
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     world_size = dist.get_world_size()
-    _check_sizes(world_size, tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size)
+    _check_sizes(world_size, tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size,
+                 expert_model_parallel_size, expert_tensor_parallel_size)
 
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_model_parallel_size,
         pipeline_model_parallel_size=pipeline_model_parallel_size,
         context_parallel_size=context_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
+        expert_tensor_parallel_size=expert_tensor_parallel_size,
         distributed_timeout_minutes=max(1, -(-timeout_s // 60)),
     )
     model_parallel_cuda_manual_seed(seed)
@@ -168,13 +196,22 @@ def initialize_parallel(
         dp_rank=parallel_state.get_data_parallel_rank(),
         cp_size=parallel_state.get_context_parallel_world_size(),
         cp_rank=parallel_state.get_context_parallel_rank(),
+        ep=parallel_state.get_expert_model_parallel_group(),
+        ep_size=parallel_state.get_expert_model_parallel_world_size(),
+        ep_rank=parallel_state.get_expert_model_parallel_rank(),
+        etp=parallel_state.get_expert_tensor_parallel_group(),
+        etp_size=parallel_state.get_expert_tensor_parallel_world_size(),
+        etp_rank=parallel_state.get_expert_tensor_parallel_rank(),
+        edp=parallel_state.get_expert_data_parallel_group(),
+        edp_rank=parallel_state.get_expert_data_parallel_rank(),
         pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
         timeout_s=timeout_s,
     )
     logger.info(
-        "parallel state: world=%d rank=%d tp=%d/%d pp=%d/%d dp=%d/%d cp=%d/%d backend=%s",
+        "parallel state: world=%d rank=%d tp=%d/%d pp=%d/%d dp=%d/%d cp=%d/%d ep=%d/%d etp=%d/%d backend=%s",
         groups.world_size, groups.rank, groups.tp_rank, groups.tp_size, groups.pp_rank,
-        groups.pp_size, groups.dp_rank, groups.dp_size, groups.cp_rank, groups.cp_size, backend,
+        groups.pp_size, groups.dp_rank, groups.dp_size, groups.cp_rank, groups.cp_size,
+        groups.ep_rank, groups.ep_size, groups.etp_rank, groups.etp_size, backend,
     )
     return groups
 

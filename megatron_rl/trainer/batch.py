@@ -16,7 +16,7 @@ layout, so everything after the forward pass is unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -37,6 +37,11 @@ class TrainBatch:
         seq_lengths: [N] int64 or None, real tokens of each row (prompt + response); set by
             `build_train_batch`, needed by the token-budget split.
         pad_multiple: S and every trimmed width are multiples of this (TP under sequence parallelism).
+        routed_experts: [N, S, L, K] int64 or None: for rollout routing replay (MoE), the experts
+            the engine routed input position t of row i to in MoE layer l (ALGORITHMS.md section 9);
+            positions the engine never routed (the last token, padding) hold the filler
+            ``0..K-1`` and are False in ``routed_valid``.
+        routed_valid: [N, S] bool or None: positions whose ``routed_experts`` came from the engine.
     """
 
     input_ids: torch.Tensor
@@ -51,6 +56,8 @@ class TrainBatch:
     pad_multiple: int = 1
     packing: "PackedRows | None" = None
     """Set on a micro-batch that runs packed (`pack_sequences`); never carried by `slice`/`select`."""
+    routed_experts: torch.Tensor | None = None
+    routed_valid: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -65,6 +72,7 @@ class TrainBatch:
             loss_mask=s(self.loss_mask), advantages=s(self.advantages),
             rollout_logprobs=s(self.rollout_logprobs), old_logprobs=s(self.old_logprobs),
             ref_logprobs=s(self.ref_logprobs), seq_lengths=s(self.seq_lengths), pad_multiple=self.pad_multiple,
+            routed_experts=s(self.routed_experts), routed_valid=s(self.routed_valid),
         )
 
     def select(self, rows: Sequence[int], width: int | None = None) -> "TrainBatch":
@@ -93,7 +101,7 @@ class TrainBatch:
             loss_mask=s(self.loss_mask), advantages=s(self.advantages, False),
             rollout_logprobs=s(self.rollout_logprobs), old_logprobs=s(self.old_logprobs),
             ref_logprobs=s(self.ref_logprobs), seq_lengths=s(self.seq_lengths, False),
-            pad_multiple=self.pad_multiple,
+            pad_multiple=self.pad_multiple, routed_experts=s(self.routed_experts), routed_valid=s(self.routed_valid),
         )
 
     def micro_batches(self, micro_batch_size: int) -> Iterator["TrainBatch"]:
@@ -251,6 +259,7 @@ def build_train_batch(
     trained: Sequence[bool],
     pad_id: int,
     pad_to_multiple_of: int = 1,
+    routed_experts: Sequence[Any] | None = None,
 ) -> TrainBatch:
     """Pack N (prompt, response) pairs into a right-padded `TrainBatch`.
 
@@ -261,9 +270,14 @@ def build_train_batch(
         trained: N bools; False zeroes the sequence's loss mask (failed reward, overlong filter).
         pad_id: padding token id.
         pad_to_multiple_of: S is rounded up to a multiple of this (sequence parallelism needs TP).
+        routed_experts: None, or N arrays (numpy or torch, any int dtype) of shape [T_i, L, K]:
+            the experts the engine routed each of the first T_i positions of prompt + response to
+            (T_i <= len(prompt) + len(response); the engine routes every token it processed, so
+            usually all but the last). Becomes `TrainBatch.routed_experts` / `routed_valid`.
 
     Raises:
-        ValueError: lengths of a response and its log-probs differ, or an empty prompt.
+        ValueError: lengths of a response and its log-probs differ, an empty prompt, or routing
+            data that is longer than its sequence or has another [L, K] than the others (names the row).
     """
     n = len(prompt_ids)
     if not (len(response_ids) == len(advantages) == len(rollout_logprobs) == len(trained) == n):
@@ -288,6 +302,7 @@ def build_train_batch(
             loss_mask[i, lo:hi] = bool(keep)
             rlp[i, lo:hi] = torch.tensor(lp, dtype=torch.float32)
     position_ids = torch.arange(s_len, dtype=torch.long).unsqueeze(0).expand(n, s_len).contiguous()
+    routed, valid = (None, None) if routed_experts is None else _routed_tensor(routed_experts, lengths, s_len)
     return TrainBatch(
         input_ids=input_ids,
         position_ids=position_ids,
@@ -297,4 +312,26 @@ def build_train_batch(
         rollout_logprobs=rlp,
         seq_lengths=torch.tensor(lengths, dtype=torch.long),
         pad_multiple=pad_to_multiple_of,
+        routed_experts=routed,
+        routed_valid=valid,
     )
+
+
+def _routed_tensor(rows: Sequence[Any], lengths: Sequence[int], s_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, S, L, K] int64 routing with the filler 0..K-1 where unrouted, and the [N, S] valid mask."""
+    if len(rows) != len(lengths):
+        raise ValueError(f"build_train_batch: {len(rows)} routed_experts rows for {len(lengths)} sequences")
+    tensors = [torch.as_tensor(r).long() for r in rows]
+    shapes = {tuple(t.shape[1:]) for t in tensors}
+    if len(shapes) != 1 or any(t.dim() != 3 for t in tensors):
+        raise ValueError(f"build_train_batch: routed_experts rows must be [tokens, layers, top-k] with one [layers, "
+                         f"top-k] for all rows, got {sorted(shapes)}")
+    layers, k = shapes.pop()
+    routed = torch.arange(k, dtype=torch.long).expand(len(rows), s_len, layers, k).clone()
+    valid = torch.zeros((len(rows), s_len), dtype=torch.bool)
+    for i, (t, length) in enumerate(zip(tensors, lengths)):
+        if t.shape[0] > length:
+            raise ValueError(f"sequence {i}: routing for {t.shape[0]} positions but the sequence has {length} tokens")
+        routed[i, : t.shape[0]] = t
+        valid[i, : t.shape[0]] = True
+    return routed, valid

@@ -52,6 +52,14 @@ def world_size(cfg: Config) -> None:
             f"set {'the number of processes' if 'WORLD_SIZE' in os.environ else 'trainer.nproc_per_node'} "
             f"to a multiple of {mp}"
         )
+    emp = (t.expert_tensor_parallel_size or t.tensor_model_parallel_size) * t.expert_model_parallel_size * \
+        t.pipeline_model_parallel_size
+    if world % emp:
+        raise RuntimeError(
+            f"world size {world} is not divisible by trainer.expert_tensor_parallel_size x "
+            f"trainer.expert_model_parallel_size x trainer.pipeline_model_parallel_size = {emp} (megatron-core's "
+            f"expert layout): use a multiple of {emp} processes"
+        )
 
 
 def data_parallel_split(cfg: Config) -> None:

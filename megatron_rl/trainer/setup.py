@@ -146,7 +146,8 @@ def _init_parallel(cfg: Config, stack: contextlib.ExitStack):
     layout = dict(
         tensor_model_parallel_size=t.tensor_model_parallel_size,
         pipeline_model_parallel_size=t.pipeline_model_parallel_size,
-        context_parallel_size=t.context_parallel_size, backend=t.distributed_backend,
+        context_parallel_size=t.context_parallel_size, expert_model_parallel_size=t.expert_model_parallel_size,
+        expert_tensor_parallel_size=t.expert_tensor_parallel_size, backend=t.distributed_backend,
         timeout_s=int(t.distributed_timeout_s), seed=t.seed,
     )
     if "WORLD_SIZE" not in os.environ:  # a plain process, not under torchrun/srun: a world of one
@@ -194,7 +195,8 @@ def _build_model(run: Run, tf_config, *, trainable: bool = True):
                         pre_process=pgs.is_pipeline_first_stage, post_process=pgs.is_pipeline_last_stage,
                         use_te=use_te_for(cfg.trainer.transformer_impl),
                         attention_backend=cfg.trainer.attention_backend)
-    load_hf_weights(model, cfg.model.path, tp_rank=pgs.tp_rank, tp_size=pgs.tp_size)
+    load_hf_weights(model, cfg.model.path, tp_rank=pgs.tp_rank, tp_size=pgs.tp_size, etp_rank=pgs.etp_rank,
+                    etp_size=pgs.etp_size)
     if not trainable:
         model.requires_grad_(False)
     return model
@@ -211,7 +213,7 @@ def _build_policy(run: Run) -> None:
     run.hf_config = json.loads((Path(cfg.model.path) / "config.json").read_text())
     spec = build_model_spec(run.hf_config, tensor_model_parallel_size=t.tensor_model_parallel_size,
                             make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
-    tf_config = transformer_config_for(run.hf_config, t)
+    tf_config = transformer_config_for(run.hf_config, t, router_replay=a.router_replay)
     run.model = _build_model(run, tf_config)
     o = a.optim
     steps_per_rl_step = (cfg.data.train_batch_size // a.ppo_mini_batch_size) * a.ppo_epochs
@@ -224,7 +226,10 @@ def _build_policy(run: Run) -> None:
     )
     run.ddp_model, run.optimizer, run.scheduler = tm.model, tm.optimizer, tm.scheduler
     if a.use_kl_loss:
-        run.ref_model = [_build_model(run, tf_config, trainable=False)]
+        # the reference model routes by itself (ALGORITHMS.md 9): its routers must not join megatron-core's
+        # process-global RouterReplay list, so it gets a config without replay
+        ref_config = transformer_config_for(run.hf_config, t) if a.router_replay else tf_config
+        run.ref_model = [_build_model(run, ref_config, trainable=False)]
     if a.sequence_packing and cfg.trainer.transformer_impl == "auto":
         from megatron_rl.models.builder import transformer_engine_usable
 

@@ -122,8 +122,15 @@ class WeightPublisher:
         self.check = check_checksums
         self.run_dir = run_dir
         self.is_controller = pgs.rank == 0
-        self.in_first_replica = pgs.dp_rank == 0 and pgs.cp_rank == 0
-        self.is_source = self.in_first_replica and pgs.tp_rank == 0
+        # one copy of the stage's weights: DP rank 0; with expert parallelism the experts are spread
+        # over the EP group, whose ranks sit in different DP ranks: expert-DP rank 0 (TP x EP ranks)
+        ep_size = getattr(pgs, "ep_size", 1)
+        if ep_size > 1 and getattr(pgs, "etp_size", pgs.tp_size) != pgs.tp_size:
+            raise ValueError(f"weight sync with expert_tensor_parallel_size={pgs.etp_size} != tensor_model_parallel_size="
+                             f"{pgs.tp_size} is not supported: set trainer.expert_tensor_parallel_size to the TP size")
+        self.ep_group = pgs.ep if ep_size > 1 else None
+        self.in_first_replica = (pgs.edp_rank == 0 if ep_size > 1 else pgs.dp_rank == 0) and pgs.cp_rank == 0
+        self.is_source = self.in_first_replica and pgs.tp_rank == 0 and getattr(pgs, "ep_rank", 0) == 0
         self.node_sources = node_sources
         if node_sources:
             if node_leader and pgs.tp_rank != 0:
@@ -348,10 +355,11 @@ class WeightPublisher:
         tp_group = self.pgs.tp if self.pgs.tp_size > 1 else None
         views = bool(getattr(self.sender, "takes_views", False))  # the colocated named-tensor hand-over
         with torch.no_grad():
-            yield from iter_hf_weights(self.model, self.hf_config, tp_group=tp_group, copy=not views)
+            yield from iter_hf_weights(self.model, self.hf_config, tp_group=tp_group, copy=not views,
+                                       ep_group=self.ep_group)
 
     def _take_part(self) -> None:
-        """A TP peer of a stage source: iterate the stage's tensors (the gathers are collective)."""
+        """A TP (or EP) peer of a stage source: iterate the stage's tensors (the gathers are collective)."""
         for _ in self._stage_weights():
             pass
 

@@ -147,19 +147,24 @@ def scenario_layouts() -> dict:
     from tiny_qwen2 import hf_state_dict, tiny_hf_config, tiny_hf_model
 
     tp, pp = int(os.environ["TP"]), int(os.environ["PP"])
+    ep = int(os.environ.get("EP", "1"))  # expert parallelism (ARCH=qwen3_moe)
+    arch = os.environ.get("ARCH", "qwen2")
     tie = os.environ.get("TIE", "0") == "1"
-    g = initialize_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, backend="gloo",
-                            timeout_s=120, seed=1234)
+    g = initialize_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                            expert_model_parallel_size=ep, backend="gloo", timeout_s=120, seed=1234)
     world = int(os.environ["WORLD_SIZE"])
     # a silent fall-back to one process must not pass: check the groups this rank really is in
     assert (g.world_size, g.tp_size, g.pp_size, g.dp_size) == (world, tp, pp, world // (tp * pp)), g
     assert dist.get_world_size(g.tp) == tp and dist.get_world_size(g.pp) == pp
     assert dist.get_world_size(g.dp_cp) == world // (tp * pp)
-    hf_config = tiny_hf_config(tie_word_embeddings=tie)
+    assert g.ep_size == ep and dist.get_world_size(g.ep) == ep, g
+    hf_config = tiny_hf_config(tie_word_embeddings=tie, model_type=arch)
     sd = hf_state_dict(tiny_hf_model(hf_config, seed=0), hf_config)
     sp = os.environ.get("SP", "0") == "1"
+    replay = os.environ.get("REPLAY", "0") == "1"
     tf_config = build_transformer_config(hf_config, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                         sequence_parallel=sp)
+                                         sequence_parallel=sp, expert_model_parallel_size=ep,
+                                         moe_enable_routing_replay=replay)
     model = build_model(hf_config, tf_config, pre_process=g.is_pipeline_first_stage,
                         post_process=g.is_pipeline_last_stage)
     load_hf_weights(model, sd, tp_rank=g.tp_rank, tp_size=tp)
@@ -168,7 +173,12 @@ def scenario_layouts() -> dict:
     assert len(layers) == hf_config["num_hidden_layers"] // pp
     qkv_rows = (hf_config["num_attention_heads"] + 2 * hf_config["num_key_value_heads"]) * 16  # head_dim 16
     assert layers[0].self_attention.linear_qkv.weight.shape == (qkv_rows // tp, 64)
-    assert layers[0].mlp.linear_fc1.weight.shape == (2 * hf_config["intermediate_size"] // tp, 64)
+    if arch == "qwen3_moe":  # this EP rank's experts, each split over the expert TP (= TP) ranks
+        experts = layers[0].mlp.experts.local_experts
+        assert len(experts) == hf_config["num_experts"] // ep
+        assert experts[0].linear_fc1.weight.shape == (2 * hf_config["moe_intermediate_size"] // tp, 64)
+    else:
+        assert layers[0].mlp.linear_fc1.weight.shape == (2 * hf_config["intermediate_size"] // tp, 64)
     if g.is_pipeline_first_stage:
         assert model.embedding.word_embeddings.weight.shape == (256 // tp, 64)
     tm = wrap_ddp_and_optimizer(model, tf_config, lr=1e-3, weight_decay=0.0, clip_grad=1.0,
@@ -201,14 +211,16 @@ def scenario_layouts() -> dict:
     with torch.no_grad():
         for n, p in chunk.named_parameters():
             p.copy_(p.main_grad)
-        grads = {name: t.clone() for name, t in iter_hf_weights(chunk, hf_config, tp_group=g.tp if tp > 1 else None)}
+        grads = {name: t.clone() for name, t in iter_hf_weights(chunk, hf_config, tp_group=g.tp if tp > 1 else None,
+                                                                 ep_group=g.ep if ep > 1 else None)}
         for n, p in chunk.named_parameters():
             p.copy_(saved[n])
     if os.environ.get("DISTOPT", "0") == "1":
         grads = {}  # the distributed optimizer reduce-scatters: main_grad holds only this rank's reduced shard
     def hf_params() -> dict:
         with torch.no_grad():
-            return {name: t.clone() for name, t in iter_hf_weights(chunk, hf_config, tp_group=g.tp if tp > 1 else None)}
+            return {name: t.clone() for name, t in iter_hf_weights(chunk, hf_config, tp_group=g.tp if tp > 1 else None,
+                                                                 ep_group=g.ep if ep > 1 else None)}
 
     # one optimizer step per mini-batch: weights after the first step and after the second
     history = trainer.update(batch.slice(0, 4), mini_batch_sequences=4)

@@ -98,3 +98,29 @@ def test_b05_data_parallel_normaliser_for_every_aggregation_mode(tmp_path, agg):
     for h_got, h_ref in zip(got["history"], ref["history"]):
         assert h_got["train/loss"] == pytest.approx(h_ref["train/loss"], rel=1e-5)
         assert h_got["train/grad_norm"] == pytest.approx(h_ref["train/grad_norm"], rel=1e-5)
+
+
+# ---- Mixture-of-Experts (issue 29): expert parallelism equals one process --------------------------
+
+
+@pytest.fixture(scope="module")
+def moe_reference(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("moe-ref"), "moe-ref", 1, 1, 1, extra={"ARCH": "qwen3_moe"})
+
+
+@pytest.mark.parametrize("tp, pp, ep, world", [(1, 1, 2, 2), (1, 2, 2, 4)], ids=["ep2", "pp2xep2"])
+def test_moe_layout_equals_one_process(moe_reference, tmp_path, tp, pp, ep, world):
+    """A tiny Qwen3-MoE (4 experts, top-2): EP2 (DP2, two experts a rank) and PP2 x EP2 (world 4)
+    give the one-process log-probs, mini-batch gradients (experts gathered over EP into HF names),
+    loss metrics and weights after each of two PPO updates. The aux loss is off (it differs between
+    layouts by design: its token statistics are per rank)."""
+    ref = moe_reference
+    got = _run(tmp_path, f"moe-tp{tp}pp{pp}ep{ep}", tp, pp, world, extra={"ARCH": "qwen3_moe", "EP": str(ep)})
+    assert any(".mlp.experts.3.down_proj" in k for k in got["grads"])  # every expert came back
+    assert (got["logprobs"] - ref["logprobs"]).abs().max() < 1e-5
+    _same_grads(got, ref)
+    for h_got, h_ref in zip(got["history"], ref["history"]):
+        for key in ("train/loss", "train/grad_norm"):
+            assert h_got[key] == pytest.approx(h_ref[key], rel=1e-5), key
+    _same_tensors(got, ref, "params1")
+    _same_tensors(got, ref, "params")

@@ -18,15 +18,22 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 TINY_VOCAB = 200  # padded to 256 (TP=1, TP=2): exercises the padded-vocabulary masking
 
 
-ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}
+ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+TINY_EXPERTS = 4  # qwen3_moe: 4 experts, top-2, expert MLP 32 wide
 
 
 def tiny_hf_config(*, tie_word_embeddings: bool, model_type: str = "qwen2", num_key_value_heads: int = 2) -> dict:
     """HF config.json dict of a 2-layer model (hidden 64, 4 attention heads, `num_key_value_heads`
-    KV heads): qwen2 (q/k/v bias), qwen3 (no bias, q/k RMSNorm, explicit head_dim 16) or llama."""
+    KV heads): qwen2 (q/k/v bias), qwen3 (no bias, q/k RMSNorm, explicit head_dim 16), llama, or
+    qwen3_moe (qwen3's attention, 4 experts of width 32, top-2, renormalised)."""
     extra = {}
     if model_type == "qwen3":
         extra = {"head_dim": 16, "attention_bias": False}
+    elif model_type == "qwen3_moe":
+        extra = {"head_dim": 16, "attention_bias": False, "num_experts": TINY_EXPERTS, "num_experts_per_tok": 2,
+                 "moe_intermediate_size": 32, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                 "mlp_only_layers": [], "output_router_logits": False, "router_aux_loss_coef": 0.0}
     elif model_type == "llama":
         extra = {"attention_bias": False, "mlp_bias": False}
     return {
@@ -72,8 +79,11 @@ def tiny_hf_model(hf_config: dict, *, seed: int = 0):
 
 
 def hf_state_dict(model, hf_config: dict) -> dict[str, torch.Tensor]:
-    """HF state dict as saved on disk (no ``lm_head.weight`` when tied)."""
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    """HF state dict as saved on disk (no ``lm_head.weight`` when tied; experts under their per-expert
+    names, as on disk, not transformers' fused in-memory tensors)."""
+    from megatron_rl.models.hf_weights import unfuse_hf_experts
+
+    state = {k: v.detach().clone() for k, v in unfuse_hf_experts(model.state_dict()).items()}
     if hf_config["tie_word_embeddings"]:
         state.pop("lm_head.weight", None)
     return state
