@@ -44,7 +44,8 @@ def transformer_config_for(hf_config: Mapping[str, Any], trainer, *, router_repl
     parallelism, precision (fp32 | bf16 params and compute), FP8 (format, recipe, amax history
     length and reduction, margin, FP8 parameter all-gather), activation recompute and, for a
     Mixture-of-Experts model, expert parallelism and the router options (:func:`moe_kwargs_for`;
-    ``router_replay``: ``actor.router_replay``, never for the reference model).
+    ``router_replay``: build megatron-core's ``RouterReplay`` instances (the policy model of an MoE
+    run; never the reference model, which routes by itself: ALGORITHMS.md 9)).
 
     Raises:
         ValueError: an unsupported HF config or an inconsistent trainer section (names the key).

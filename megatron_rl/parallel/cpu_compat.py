@@ -5,7 +5,10 @@ available, :func:`enable_cpu_compat` maps them to the CPU:
 
 - a process-wide ``TorchFunctionMode`` (:class:`_CudaToCpuMode`) that rewrites cuda devices
   (``"cuda"``, ``"cuda:0"``, ``torch.device("cuda")`` and the bare integer returned by
-  ``torch.cuda.current_device()``) to ``"cpu"`` in tensor factories and ``Tensor.to``, makes
+  ``torch.cuda.current_device()``) to ``"cpu"`` in tensor factories and ``Tensor.to``, also
+  inside the backward pass (torch pops a mode while its handler runs, so ``Tensor.backward``
+  would run the autograd engine without it; ``torch.autograd``'s ``_engine_run_backward`` is
+  wrapped to push the mode again: activation recompute reruns megatron's forward there), makes
   ``Tensor.cuda()`` a no-op, and answers ``Tensor.type()`` with the ``torch.cuda.*`` name when
   the caller is megatron-core (grad clipping asserts ``'torch.cuda.FloatTensor'``; the
   float16 optimizer wrapper checks the same names);
@@ -83,6 +86,7 @@ class _CudaToCpuMode(TorchFunctionMode):
             return args[0]
         if func is _TENSOR_TYPE:
             return self._tensor_type(args, kwargs)
+
         if "device" in kwargs and _is_cuda_device(kwargs["device"]):
             kwargs["device"] = "cpu"
         if func is _TENSOR_TO and len(args) > 1 and _is_cuda_device(args[1]):
@@ -216,6 +220,20 @@ def _cpu_all_to_all_forward(ctx, group, input, output_split_sizes, input_split_s
     return output
 
 
+def _patch_autograd_engine() -> None:
+    import torch.autograd
+    import torch.autograd.graph
+
+    original = torch.autograd.graph._engine_run_backward
+
+    def _engine_run_backward(*args: Any, **kwargs: Any) -> Any:
+        with _CudaToCpuMode():
+            return original(*args, **kwargs)
+
+    _set(torch.autograd, "_engine_run_backward", _engine_run_backward)
+    _set(torch.autograd.graph, "_engine_run_backward", _engine_run_backward)
+
+
 def _patch_megatron() -> None:
     from megatron.core.tensor_parallel import mappings as mc_mappings
     from megatron.core.tensor_parallel import random as mc_random
@@ -248,6 +266,7 @@ def enable_cpu_compat() -> bool:
     check_torch_version(__name__)
     _check_megatron_version()
     _patch_torch_cuda()
+    _patch_autograd_engine()
     _patch_megatron()
     mode = _CudaToCpuMode()
     mode.__enter__()  # kept for the life of the process, like torch.set_default_device

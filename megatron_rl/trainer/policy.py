@@ -67,6 +67,10 @@ class PolicyTrainer:
         ref_model: frozen reference model chunks, only with a KL loss.
         dp_group: data-parallel group (with context-parallel ranks); None = no data parallelism.
         pp_group: pipeline-parallel group; None = one stage.
+        routing: the model's `trainer.router_replay.RoutingReplay` (Mixture-of-Experts models):
+            each micro-batch's engine routing is set on the routers before its forward (replayed
+            with `actor.router_replay`), and the old-log-prob pass measures the router mismatch
+            (`routing_metrics`). None = dense model, nothing to do.
 
     Layouts: every rank is handed the whole step's batch. Each mini-batch is split into equal
     contiguous shares, one per DP rank (its sequences must divide evenly); a rank runs its share
@@ -85,10 +89,14 @@ class PolicyTrainer:
     def __init__(self, model, optimizer, scheduler, *, vocab_size: int, micro_batch_size: int,
                  actor: ActorConfig, max_response_length: int | None = None, tp_group=None, ref_model=None,
                  dp_group=None, pp_group=None, max_tokens_per_micro_batch: int | None = None,
-                 rollout_correction: ResolvedCorrection | None = None, sequence_packing: bool = False) -> None:
+                 rollout_correction: ResolvedCorrection | None = None, sequence_packing: bool = False,
+                 routing=None) -> None:
         if sequence_packing and pp_group is not None:
             raise ValueError("actor.sequence_packing needs trainer.pipeline_model_parallel_size 1")
         self.sequence_packing = sequence_packing
+        self.routing = routing if routing is not None and routing.active else None
+        self.routing_metrics: dict = {}
+        """`train/router_mismatch*` of the last old-log-prob pass (ALGORITHMS.md 9); {} for dense models."""
         self.model = model
         self.optimizer = optimizer
         self.scheduler = scheduler
@@ -230,9 +238,12 @@ class PolicyTrainer:
         shares = [self._dp_share(batch.slice(a, b)) for a, b in self._minis(len(batch), mini_batch_sequences)]
         plans = [self._plan(share) for share in shares]
         mbs = [mb for plan in plans for _, mb in plan]
+        measure = model is self.model and self.routing is not None
 
         def forward_step(data_iterator, m):
             mb = next(data_iterator)
+            if measure:
+                self.routing.before_forward(m, mb, measure=True)
             logits = self._forward(m, mb)
 
             def loss_func(output):
@@ -241,12 +252,18 @@ class PolicyTrainer:
 
             return logits, loss_func
 
-        with torch.no_grad():
-            out = self._schedule()(
-                forward_step_func=forward_step, data_iterator=iter(mbs), model=model,
-                num_microbatches=len(mbs), seq_length=batch.input_ids.shape[1],
-                micro_batch_size=max(len(mb) for mb in mbs), forward_only=True,
-            )
+        try:
+            with torch.no_grad():
+                out = self._schedule()(
+                    forward_step_func=forward_step, data_iterator=iter(mbs), model=model,
+                    num_microbatches=len(mbs), seq_length=batch.input_ids.shape[1],
+                    micro_batch_size=max(len(mb) for mb in mbs), forward_only=True,
+                )
+        finally:
+            if measure:
+                self.routing.finish()
+        if measure:
+            self.routing_metrics = self.routing.mismatch_metrics()
         for m in model:
             m.train()
         width = batch.input_ids.shape[1]
@@ -329,13 +346,19 @@ class PolicyTrainer:
 
         def forward_step(data_iterator, m):
             mb = next(data_iterator)
+            if self.routing is not None:
+                self.routing.before_forward(m, mb, measure=False)
             return self._forward(m, mb), partial(self._loss_func, mb)
 
-        return self._schedule()(
-            forward_step_func=forward_step, data_iterator=iter(mbs), model=self.model,
-            num_microbatches=len(mbs), seq_length=mini.input_ids.shape[1],
-            micro_batch_size=max(len(mb) for mb in mbs), forward_only=False,
-        )
+        try:
+            return self._schedule()(
+                forward_step_func=forward_step, data_iterator=iter(mbs), model=self.model,
+                num_microbatches=len(mbs), seq_length=mini.input_ids.shape[1],
+                micro_batch_size=max(len(mb) for mb in mbs), forward_only=False,
+            )
+        finally:
+            if self.routing is not None:
+                self.routing.finish()
 
     def update(self, batch: TrainBatch, *, mini_batch_sequences: int, ppo_epochs: int = 1) -> list[dict]:
         """PPO updates over `batch` (old_logprobs set): one optimizer step per mini-batch.

@@ -213,7 +213,10 @@ def _build_policy(run: Run) -> None:
     run.hf_config = json.loads((Path(cfg.model.path) / "config.json").read_text())
     spec = build_model_spec(run.hf_config, tensor_model_parallel_size=t.tensor_model_parallel_size,
                             make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
-    tf_config = transformer_config_for(run.hf_config, t, router_replay=a.router_replay)
+    # MoE policies always get megatron-core's RouterReplay instances: they replay the engine's routing
+    # with actor.router_replay, and measure the router mismatch either way (trainer.router_replay)
+    is_moe = spec.moe is not None
+    tf_config = transformer_config_for(run.hf_config, t, router_replay=is_moe)
     run.model = _build_model(run, tf_config)
     o = a.optim
     steps_per_rl_step = (cfg.data.train_batch_size // a.ppo_mini_batch_size) * a.ppo_epochs
@@ -228,7 +231,7 @@ def _build_policy(run: Run) -> None:
     if a.use_kl_loss:
         # the reference model routes by itself (ALGORITHMS.md 9): its routers must not join megatron-core's
         # process-global RouterReplay list, so it gets a config without replay
-        ref_config = transformer_config_for(run.hf_config, t) if a.router_replay else tf_config
+        ref_config = transformer_config_for(run.hf_config, t) if is_moe else tf_config
         run.ref_model = [_build_model(run, ref_config, trainable=False)]
     if a.sequence_packing and cfg.trainer.transformer_impl == "auto":
         from megatron_rl.models.builder import transformer_engine_usable
@@ -244,8 +247,17 @@ def _build_policy(run: Run) -> None:
         dp_group=pgs.dp_cp if pgs.dp_size * pgs.cp_size > 1 else None,
         pp_group=pgs.pp if pgs.pp_size > 1 else None, max_tokens_per_micro_batch=a.token_budget,
         actor=a, max_response_length=cfg.data.max_response_length, rollout_correction=rollout_correction_of(cfg),
-        sequence_packing=a.sequence_packing,
+        sequence_packing=a.sequence_packing, routing=_routing_replay(run, tf_config) if is_moe else None,
     )
+
+
+def _routing_replay(run: Run, tf_config):
+    """The policy model's `RoutingReplay` (replays the engine's routing with actor.router_replay)."""
+    from megatron_rl.trainer.router_replay import RoutingReplay
+
+    return RoutingReplay(run.ddp_model, replay=run.cfg.actor.router_replay, tp_rank=run.pgs.tp_rank,
+                         tp_size=run.pgs.tp_size, sequence_parallel=tf_config.sequence_parallel,
+                         num_layers=tf_config.num_layers)
 
 
 def _warn_config_changes(cfg: Config, saved_path: Path) -> None:

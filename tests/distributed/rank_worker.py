@@ -4,8 +4,9 @@ Scenario ``train``: TP = WORLD_SIZE (1 or 2). Load a random tiny Qwen2 into GPTM
 CPU compatibility layer, check the HF export round trip, logits / log-probs / entropy against
 HF, then one forward / backward / optimizer step. Scenario ``layouts``: TP x PP x DP training of a
 fixed batch (see ``scenario_layouts``). Scenario ``pp_logits``: PP = WORLD_SIZE logits, export and
-streamed-checkpoint loading per architecture (see ``scenario_pp_logits``). Prints ``RESULT {json}``
-on success.
+streamed-checkpoint loading per architecture (see ``scenario_pp_logits``). Scenario ``convert_moe``:
+EP = WORLD_SIZE loading and writing the streaming converter's qwen3_moe checkpoints (see
+``scenario_convert_moe``). Prints ``RESULT {json}`` on success.
 """
 
 from __future__ import annotations
@@ -164,7 +165,7 @@ def scenario_layouts() -> dict:
     replay = os.environ.get("REPLAY", "0") == "1"
     tf_config = build_transformer_config(hf_config, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                          sequence_parallel=sp, expert_model_parallel_size=ep,
-                                         moe_enable_routing_replay=replay)
+                                         moe_enable_routing_replay=arch == "qwen3_moe")
     model = build_model(hf_config, tf_config, pre_process=g.is_pipeline_first_stage,
                         post_process=g.is_pipeline_last_stage)
     load_hf_weights(model, sd, tp_rank=g.tp_rank, tp_size=tp)
@@ -188,8 +189,14 @@ def scenario_layouts() -> dict:
         loss_scale_factor=10.0 if os.environ.get("AGG") == "seq-mean-token-sum-norm" else None,
         clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, kl_loss_type="k3",
     )
+    routing = None
+    if arch == "qwen3_moe":
+        from megatron_rl.trainer.router_replay import RoutingReplay
+
+        routing = RoutingReplay(tm.model, replay=replay, tp_rank=g.tp_rank, tp_size=tp, sequence_parallel=sp,
+                                num_layers=hf_config["num_hidden_layers"])
     trainer = PolicyTrainer(tm.model, tm.optimizer, tm.scheduler, vocab_size=hf_config["vocab_size"],
-                            micro_batch_size=2, actor=loss, tp_group=g.tp if tp > 1 else None,
+                            micro_batch_size=2, actor=loss, tp_group=g.tp if tp > 1 else None, routing=routing,
                             dp_group=g.dp_cp if g.dp_size > 1 else None, pp_group=g.pp if pp > 1 else None,
                             max_tokens_per_micro_batch=int(os.environ["BUDGET"]) if os.environ.get("BUDGET") else None)
     gen = torch.Generator().manual_seed(7)
@@ -198,10 +205,15 @@ def scenario_layouts() -> dict:
     responses = [torch.randint(1, 199, (r,), generator=gen).tolist() for _, r in lengths]
     # rows 2-3 untrained: with DP=2, rank 1's share of the first mini-batch has no loss token, and
     # the shares of the second have 16 vs 8 tokens (case B05: the normaliser must be global)
+    routed = None
+    if arch == "qwen3_moe":  # engine routing: random distinct top-2 ids for every routed position
+        e, k = hf_config["num_experts"], hf_config["num_experts_per_tok"]
+        routed = [torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range((p + r - 1) * 2)]).view(-1, 2, k)
+                  for p, r in lengths]
     batch = build_train_batch(prompts, responses, advantages=[1.0, -0.5, 0.25, -1.0, 0.75, -0.25, 0.5, -0.75],
                               rollout_logprobs=[[-1.0] * len(r) for r in responses],
                               trained=[True, True, False, False, True, True, True, True], pad_id=0,
-                              pad_to_multiple_of=tp if sp else 1)
+                              pad_to_multiple_of=tp if sp else 1, routed_experts=routed)
     old = trainer.compute_logprobs(batch, mini_batch_sequences=4)
     # off-policy by a fixed offset so the clip is exercised
     batch.old_logprobs = old + 0.05 * torch.sign(torch.sin(torch.arange(old.numel(), dtype=torch.float32))).view_as(old)
@@ -233,7 +245,8 @@ def scenario_layouts() -> dict:
                    Path(os.environ["OUT_DIR"]) / f"rank{g.rank}.pt")
     dist.barrier()
     destroy_parallel()
-    return {"rank": g.rank, "tp": g.tp_size, "pp": g.pp_size, "dp": g.dp_size, "history": history}
+    return {"rank": g.rank, "tp": g.tp_size, "pp": g.pp_size, "dp": g.dp_size, "history": history,
+            "routing_metrics": trainer.routing_metrics}
 
 
 def scenario_pp_logits() -> dict:
@@ -368,11 +381,84 @@ def scenario_b24() -> dict:
     return {"rank": g.rank, "errors": errors}
 
 
+def scenario_convert_moe() -> dict:
+    """EP = WORLD_SIZE (2; TP = PP = 1, DP = 2) on the tiny qwen3_moe of $HF_DIR: the streamed dist
+    checkpoint $CKPT (written by `import_from_hf` in one process) loads into this EP rank's model, every
+    parameter equal to `load_hf_weights` of the same HF tensors; the model's sharded state dict
+    (`checkpoint.save._model_sharded_state_dict`) is saved to $SAVE_DIR at EP2; after one PPO update
+    a full run checkpoint (`save_checkpoint`: model, optimizer, run state) goes to $RUN_DIR step 1 and
+    rank 0 writes the trained weights, gathered over EP into HF names, to $OUT_DIR/trained.pt."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    from megatron_rl.checkpoint.save import _in_process_results_queue, _model_sharded_state_dict, save_checkpoint
+    from megatron_rl.config.schema import ActorConfig
+    from megatron_rl.models.builder import build_model, wrap_ddp_and_optimizer
+    from megatron_rl.models.hf_config import build_transformer_config
+    from megatron_rl.models.hf_weights import iter_hf_weights, load_hf_weights
+    from megatron_rl.parallel.groups import destroy_parallel, initialize_parallel
+    from megatron_rl.trainer.batch import build_train_batch
+    from megatron_rl.trainer.policy import PolicyTrainer
+
+    ep = int(os.environ["WORLD_SIZE"])
+    g = initialize_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=ep, backend="gloo",
+                            timeout_s=120, seed=1234)
+    assert g.ep_size == ep and dist.get_world_size(g.ep) == ep and g.dp_size == ep, g
+    hf_dir = os.environ["HF_DIR"]
+    hf_config = json.loads((Path(hf_dir) / "config.json").read_text())
+    tf_config = build_transformer_config(hf_config, expert_model_parallel_size=ep)
+    model = build_model(hf_config, tf_config)
+    experts = model.decoder.layers[0].mlp.experts.local_experts
+    assert len(experts) == hf_config["num_experts"] // ep
+    load_hf_weights(model, hf_dir)
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    loaded = dist_checkpointing.load(_model_sharded_state_dict([model]), os.environ["CKPT"])
+    model.load_state_dict(loaded["model"], strict=True)
+    for n, p in model.named_parameters():
+        assert torch.equal(p, params[n]), n
+    # not vacuous: this rank's experts differ from the other rank's (they are experts ep_rank * 2 + e)
+    first = experts[0].linear_fc2.weight.detach().contiguous()
+    others = [torch.empty_like(first) for _ in range(ep)]
+    dist.all_gather(others, first, group=g.ep)
+    assert not torch.equal(others[0], others[1])
+
+    _in_process_results_queue()
+    dist_checkpointing.save(_model_sharded_state_dict([model]), os.environ["SAVE_DIR"])
+
+    tm = wrap_ddp_and_optimizer(model, tf_config, lr=1e-2, weight_decay=0.0, clip_grad=1.0)
+    actor = ActorConfig(loss_agg_mode="token-mean", loss_scale_factor=None, clip_ratio_low=0.2,
+                        clip_ratio_high=0.28, clip_ratio_c=3.0, kl_loss_type="k3")
+    trainer = PolicyTrainer(tm.model, tm.optimizer, tm.scheduler, vocab_size=hf_config["vocab_size"],
+                            micro_batch_size=2, actor=actor, dp_group=g.dp_cp)
+    gen = torch.Generator().manual_seed(7 + g.rank)  # each DP rank its own rows
+    prompts = [torch.randint(1, 199, (n,), generator=gen).tolist() for n in (3, 2, 4, 1)]
+    responses = [torch.randint(1, 199, (n,), generator=gen).tolist() for n in (5, 2, 7, 3)]
+    batch = build_train_batch(prompts, responses, advantages=[1.0, -0.5, 0.25, -1.0],
+                              rollout_logprobs=[[-1.0] * len(r) for r in responses], trained=[True] * 4, pad_id=0)
+    batch.old_logprobs = trainer.compute_logprobs(batch)
+    trainer.update(batch, mini_batch_sequences=4)
+    chunk = tm.model[0].module
+    changed = [n for n, p in chunk.named_parameters() if not torch.equal(p.detach(), params[n])]
+    assert any(".local_experts." in n for n in changed), changed
+    save_checkpoint(os.environ["RUN_DIR"], 1, model=tm.model, optimizer=tm.optimizer, scheduler=tm.scheduler,
+                    run_state={}, config_yaml="a: 1\n", keep_last_n=1, is_writer=g.rank == 0)
+    trained = {name: t.clone() for name, t in iter_hf_weights(chunk, hf_config, ep_group=g.ep)}
+    if g.rank == 0:
+        torch.save(trained, Path(os.environ["OUT_DIR"]) / "trained.pt")
+    dist.barrier()
+    destroy_parallel()
+    return {"rank": g.rank, "ep_rank": g.ep_rank, "params": len(params), "changed": len(changed)}
+
+
 def main() -> None:
     logging.basicConfig(level=logging.WARNING, format=f"[rank {os.environ.get('RANK')}] %(name)s: %(message)s")
     scenario = sys.argv[1]
     result = {"train": scenario_train, "layouts": scenario_layouts, "pp_logits": scenario_pp_logits,
-              "b24": scenario_b24}[scenario]()
+              "b24": scenario_b24, "convert_moe": scenario_convert_moe}[scenario]()
     print("RESULT " + json.dumps(result), flush=True)
 
 

@@ -38,7 +38,8 @@ def _run(tmp_path, name, tp, pp, world, tie=False, extra=None):
         if f.name == "rank0.pt":
             logprobs, mask = d["logprobs"], d["loss_mask"]
     history = next(r["history"] for r in results if r["rank"] == 0)
-    return {"logprobs": logprobs[mask], "history": history, **tensors}
+    routing = next(r.get("routing_metrics") for r in results if r["rank"] == 0)
+    return {"logprobs": logprobs[mask], "history": history, "routing": routing, **tensors}
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -103,19 +104,27 @@ def test_b05_data_parallel_normaliser_for_every_aggregation_mode(tmp_path, agg):
 # ---- Mixture-of-Experts (issue 29): expert parallelism equals one process --------------------------
 
 
-@pytest.fixture(scope="module")
-def moe_reference(tmp_path_factory):
-    return _run(tmp_path_factory.mktemp("moe-ref"), "moe-ref", 1, 1, 1, extra={"ARCH": "qwen3_moe"})
+@pytest.fixture(scope="module", params=["0", "1"], ids=["no-replay", "replay"])
+def moe_reference(request, tmp_path_factory):
+    replay = request.param
+    return replay, _run(tmp_path_factory.mktemp("moe-ref"), "moe-ref", 1, 1, 1,
+                        extra={"ARCH": "qwen3_moe", "REPLAY": replay})
 
 
 @pytest.mark.parametrize("tp, pp, ep, world", [(1, 1, 2, 2), (1, 2, 2, 4)], ids=["ep2", "pp2xep2"])
 def test_moe_layout_equals_one_process(moe_reference, tmp_path, tp, pp, ep, world):
     """A tiny Qwen3-MoE (4 experts, top-2): EP2 (DP2, two experts a rank) and PP2 x EP2 (world 4)
     give the one-process log-probs, mini-batch gradients (experts gathered over EP into HF names),
-    loss metrics and weights after each of two PPO updates. The aux loss is off (it differs between
-    layouts by design: its token statistics are per rank)."""
-    ref = moe_reference
-    got = _run(tmp_path, f"moe-tp{tp}pp{pp}ep{ep}", tp, pp, world, extra={"ARCH": "qwen3_moe", "EP": str(ep)})
+    loss metrics and weights after each of two PPO updates, with the routers choosing by
+    themselves and with the batch's (random) engine routing replayed. The router-mismatch metric
+    is the same share too. The aux loss is off (it differs between layouts by design: its token
+    statistics are per rank)."""
+    replay, ref = moe_reference
+    got = _run(tmp_path, f"moe-tp{tp}pp{pp}ep{ep}", tp, pp, world,
+               extra={"ARCH": "qwen3_moe", "EP": str(ep), "REPLAY": replay})
+    # random engine routing against a router that picks 2 of 4: most positions differ, never all
+    assert 0.3 < ref["routing"]["train/router_mismatch"] < 1.0
+    assert got["routing"] == pytest.approx(ref["routing"], abs=1e-12)
     assert any(".mlp.experts.3.down_proj" in k for k in got["grads"])  # every expert came back
     assert (got["logprobs"] - ref["logprobs"]).abs().max() < 1e-5
     _same_grads(got, ref)
