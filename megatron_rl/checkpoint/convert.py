@@ -21,10 +21,19 @@ itself writes and loads. Tensors then move one at a time:
 - export: `dist_checkpointing.load` reads one unit's global tensors at a time; they are split
   into HF tensors and collected into safetensors shards of at most `max_shard_bytes`.
 
+Mixture-of-Experts models (qwen3_moe, SequentialMLP experts) stack each layer's experts over a
+second axis, the global expert index E: `decoder.layers.mlp.experts.experts.linear_fc1.weight`
+[L, E_n, 2F, h] and `...linear_fc2.weight` [L, E_n, h, F], next to the router
+`decoder.layers.mlp.router.weight` [L, E_n, h]. They map to HF's on-disk per-expert names
+`model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight` and `model.layers.L.mlp.gate.weight`.
+Every expert-parallel rank writes its experts at their global offsets, so a checkpoint written at
+any EP size exports the same, and an imported one loads at any EP size.
+
 Peak memory: import holds one unit (for Qwen2.5-32B a layer is ~1 GB in bf16, the embedding
 1.6 GB) plus the HF tensors it is built from; export holds the pending output shard (flushed
 before a unit that would not fit is read) or one unit with torch.distributed.checkpoint's read
-buffers (about 3x the unit: file bytes, deserialised tensor, destination).
+buffers (about 3x the unit: file bytes, deserialised tensor, destination). A MoE layer unit holds
+all of the layer's experts (Qwen3-30B-A3B: 128 experts, ~1.2 GB in bf16).
 `benchmarks/convert_32b_2layer.py` measures both.
 """
 
@@ -162,6 +171,26 @@ def _unit_order(unit: str) -> tuple[int, int]:
     return (1, int(unit.split()[1]))
 
 
+def _model_tensor_keys(sharded: dict) -> list[str]:
+    """The distinct tensor keys of a (meta) sharded state dict, in order, each checked to have an HF
+    counterpart (ShardedTensorFactory keys included: a factory's tensors share its key).
+
+    Raises:
+        ValueError: a key the HF mapping does not know (names it; see `hf_weights.sharded_key_axes`).
+    """
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    from megatron_rl.models.hf_weights import sharded_key_axes
+
+    keys: dict[str, None] = {}
+    for sh in nested_values(sharded):
+        if isinstance(sh, (ShardedTensor, ShardedTensorFactory)) and sh.key not in keys:
+            sharded_key_axes(sh.key)
+            keys[sh.key] = None
+    return list(keys)
+
+
 def _progress(total_bytes: int, desc: str, enabled: bool):
     from tqdm import tqdm
 
@@ -254,8 +283,9 @@ def import_from_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dty
     Raises:
         FileNotFoundError: `hf_dir` has no config.json.
         FileExistsError: `out_dir` already holds a dist checkpoint.
-        ValueError: an unsupported architecture, or weights that do not match config.json (names
-            the tensor and both shapes), checked from the safetensors headers before writing.
+        ValueError: an unsupported architecture, a model tensor without an HF counterpart (names
+            its key), or weights that do not match config.json (names the tensor and both shapes),
+            checked from the safetensors headers before writing.
     """
     from megatron.core import dist_checkpointing
 
@@ -285,6 +315,7 @@ def import_from_hf(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, *, dty
 
     with single_process_world(), _progress(total, "HF -> megatron", progress) as bar:
         sharded = _meta_sharded_state_dict(hf_config, target, make_vocab_size_divisible_by * tensor_model_parallel_size)
+        _model_tensor_keys(sharded)  # every tensor has an HF mapping: refused by key before anything is written
         dist_checkpointing.save(sharded, str(out), sharded_strategy=_streaming_strategy(make_chunk, bar))
     hf_side = out / "hf"
     hf_side.mkdir(exist_ok=True)
@@ -384,19 +415,18 @@ def _check_against_config(expected_sd: dict, saved: dict, ckpt: Path, vocab_size
                              f"config.json expects {list(want)}")
 
 
-def _export_units(saved: dict, num_layers: int) -> list[tuple[str, list[tuple[str, Optional[int]]]]]:
-    """(unit, [(key, layer or None)]) in HF order: embedding, layers, final norm, output layer;
-    model keys only."""
-    from megatron_rl.models.hf_weights import LAYERS_PREFIX, sharded_key_to_hf
+def _export_units(model_keys: list[str], saved: dict,
+                  num_layers: int) -> list[tuple[str, list[tuple[str, Optional[int]]]]]:
+    """(unit, [(key, layer or None)]) in HF order: embedding, layers, final norm, output layer.
 
-    def known(key: str) -> bool:
-        try:
-            sharded_key_to_hf(key, 0)
-            return True
-        except ValueError:
-            return False
+    Args:
+        model_keys: the model's tensor keys from the config (`_model_tensor_keys`; all in `saved`).
+        saved: the checkpoint's tensors metadata (an output layer there is exported even when the
+            config ties it: the tied check of `_export_units_to` needs it).
+    """
+    from megatron_rl.models.hf_weights import LAYERS_PREFIX
 
-    layer_keys = [k for k in saved if k.startswith(LAYERS_PREFIX) and known(k)]
+    layer_keys = [k for k in model_keys if k.startswith(LAYERS_PREFIX)]
     units = [("embedding", [("embedding.word_embeddings.weight", None)])]
     units += [(f"layer {i}", [(k, i) for k in layer_keys]) for i in range(num_layers)]
     units.append(("final norm", [("decoder.final_layernorm.weight", None)]))
@@ -425,14 +455,12 @@ def export_to_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike, *, h
 
     Raises:
         FileNotFoundError: no checkpoint at `checkpoint`, or no config.json.
-        ValueError: an unsupported architecture, or checkpoint tensors that do not match the config
-            (names the tensor and both shapes).
+        ValueError: an unsupported architecture, a model tensor without an HF counterpart (names
+            its key), checkpoint tensors that do not match the config (names the tensor and both
+            shapes), or an HF tensor of the config that the checkpoint does not give.
     """
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
     from megatron_rl.models.hf_config import build_transformer_config
-    from megatron_rl.models.hf_weights import expected_hf_shapes, hf_from_global
+    from megatron_rl.models.hf_weights import expected_hf_shapes
 
     ckpt, iter_dir = resolve_checkpoint(checkpoint)
     src = _model_source_dir(ckpt, iter_dir, hf_config_dir)
@@ -487,14 +515,17 @@ def _export_units_to(out: Path, ckpt: Path, hf_config: dict, tf, expected_hf: di
     with single_process_world(), _progress(total, "megatron -> HF", progress) as bar:
         saved = dist_checkpointing.load_tensors_metadata(str(ckpt))
         vocab_size = expected_hf["model.embed_tokens.weight"][0]
-        _check_against_config(_meta_sharded_state_dict(hf_config, target, 1), saved, ckpt, vocab_size)
-        for _, keys in _export_units(saved, tf.num_layers):
+        expected_sd = _meta_sharded_state_dict(hf_config, target, 1)
+        model_keys = _model_tensor_keys(expected_sd)
+        _check_against_config(expected_sd, saved, ckpt, vocab_size)
+        written: set[str] = set()
+        for _, keys in _export_units(model_keys, saved, tf.num_layers):
             request = {}
             for key, layer in keys:
                 meta = saved[key]
                 if layer is None:
                     request[key] = ShardedTensor.from_rank_offsets(key, torch.empty(meta.global_shape, dtype=meta.dtype))
-                else:  # one layer of the stacked [num_layers, ...] tensor
+                else:  # one layer of the stacked [num_layers, ...] tensor (experts: all of the layer's)
                     local = torch.empty((1, *meta.global_shape[1:]), dtype=meta.dtype)
                     request[key] = ShardedTensor.from_rank_offsets(key, local, (0, layer, meta.global_shape[0]))
             writer.reserve(sum(t.data.numel() for t in request.values()) * target.itemsize)
@@ -524,6 +555,11 @@ def _export_units_to(out: Path, ckpt: Path, hf_config: dict, tf, expected_hf: di
                     raise ValueError(f"checkpoint {ckpt}: HF tensor {name!r} comes out with shape {list(tensor.shape)}, "
                                      f"config.json expects {list(expected_hf[name])}")
                 writer.add(name, tensor.to(target))
+                written.add(name)
                 bar.update(tensor.numel() * target.itemsize)
             del loaded, named
+        missing = [name for name in expected_hf if name not in written]
+        if missing:  # a safety net: every key of the config maps, so this means a mapping gap
+            raise ValueError(f"checkpoint {ckpt}: {len(missing)} HF tensors of config.json were not produced, e.g. "
+                             f"{missing[:4]}")
         return writer.close()

@@ -639,7 +639,12 @@ def _in_hf_order(named: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, t
 # leading axis of size num_layers (a layer is the chunk at offset ``(L, 0, ...)``). Norm keys use
 # Transformer Engine's names under both specs (``linear_qkv.layer_norm_weight``), and
 # ``linear_fc1`` is stored as two chunks of the global ``[L, 2F, h]`` tensor: gate rows ``[0, F)``
-# and up rows ``[F, 2F)``. The streaming converter (``checkpoint.convert``) maps these global
+# and up rows ``[F, 2F)``. Mixture-of-Experts layers (SequentialMLP experts) store the router as
+# ``decoder.layers.mlp.router.weight`` [L, E_n, h] and the experts under
+# ``decoder.layers.mlp.experts.experts.linear_fc{1,2}.weight`` with a second stacked axis, the
+# global expert index E: fc1 [L, E_n, 2F, h] (per expert the gate / up chunks as the dense fc1),
+# fc2 [L, E_n, h, F]; every EP rank writes its experts at their global offsets, so the checkpoint
+# does not depend on EP either. The streaming converter (``checkpoint.convert``) maps these global
 # tensors to and from HF tensors one at a time, without building the model.
 
 _SHARDED_LAYER_KEYS: dict[str, tuple[tuple[str, ...], Any]] = {
@@ -654,6 +659,12 @@ _SHARDED_LAYER_KEYS: dict[str, tuple[tuple[str, ...], Any]] = {
     "mlp.linear_fc1.weight": (("mlp.gate_proj.weight", "mlp.up_proj.weight"), "fc1"),
     "mlp.linear_fc1.layer_norm_weight": (("post_attention_layernorm.weight",), None),
     "mlp.linear_fc2.weight": (("mlp.down_proj.weight",), None),
+    "mlp.router.weight": (("mlp.gate.weight",), None),  # MoE router [E_n, h]
+}
+# MoE experts: stacked over (layer, global expert); HF names under model.layers.L.mlp.experts.E.
+_SHARDED_EXPERT_KEYS: dict[str, tuple[tuple[str, ...], Any]] = {
+    "mlp.experts.experts.linear_fc1.weight": (("gate_proj.weight", "up_proj.weight"), "fc1"),
+    "mlp.experts.experts.linear_fc2.weight": (("down_proj.weight",), None),
 }
 _SHARDED_OTHER_KEYS: dict[str, tuple[tuple[str, ...], Any]] = {
     "embedding.word_embeddings.weight": (("model.embed_tokens.weight",), "vocab"),
@@ -663,29 +674,57 @@ _SHARDED_OTHER_KEYS: dict[str, tuple[tuple[str, ...], Any]] = {
 LAYERS_PREFIX = "decoder.layers."
 
 
-def sharded_key_to_hf(key: str, layer: int | None = None) -> tuple[tuple[str, ...], Any]:
+def sharded_key_axes(key: str) -> int:
+    """Number of stacked leading axes of a megatron-core sharded-state-dict tensor key: 0 (embedding,
+    final norm, output layer), 1 (a layer tensor: the layer index) or 2 (an expert tensor: layer,
+    then global expert index).
+
+    Raises:
+        ValueError: a key this mapping does not know (another architecture's tensor, e.g. a shared
+            expert or a TE-grouped expert layout), naming the key.
+    """
+    if key.startswith(LAYERS_PREFIX):
+        suffix = key[len(LAYERS_PREFIX):]
+        if suffix in _SHARDED_LAYER_KEYS:
+            return 1
+        if suffix in _SHARDED_EXPERT_KEYS:
+            return 2
+    elif key in _SHARDED_OTHER_KEYS:
+        return 0
+    raise ValueError(f"megatron tensor {key!r} has no HF counterpart in the qwen2/qwen3/llama/qwen3_moe mapping")
+
+
+def sharded_key_to_hf(key: str, layer: int | None = None, expert: int | None = None) -> tuple[tuple[str, ...], Any]:
     """HF names and fused kind of a megatron-core sharded-state-dict tensor key.
 
     Args:
-        key: e.g. ``decoder.layers.mlp.linear_fc1.weight`` or ``embedding.word_embeddings.weight``.
-        layer: the global layer index (the chunk's offset on the stacked axis) for layer keys.
+        key: e.g. ``decoder.layers.mlp.linear_fc1.weight``, ``embedding.word_embeddings.weight`` or
+            ``decoder.layers.mlp.experts.experts.linear_fc2.weight``.
+        layer: the global layer index (the chunk's offset on the stacked axis) for layer and expert keys.
+        expert: the global expert index (the offset on the second stacked axis) for expert keys;
+            ignored for other keys.
 
     Returns:
         (HF names, kind): kind is "qkv" (per-group interleave of q, k, v), "fc1" ([gate; up]),
-        "vocab" (rows padded to the padded vocabulary) or None (same tensor).
+        "vocab" (rows padded to the padded vocabulary) or None (same tensor). Expert keys give
+        ``model.layers.L.mlp.experts.E.{gate,up}_proj.weight`` ("fc1") / ``...down_proj.weight``.
 
     Raises:
-        ValueError: a key this mapping does not know (another architecture's tensor).
+        ValueError: a key this mapping does not know (see :func:`sharded_key_axes`), or a layer /
+            expert key without its index.
     """
-    if key.startswith(LAYERS_PREFIX):
-        entry = _SHARDED_LAYER_KEYS.get(key[len(LAYERS_PREFIX):])
-        if entry is None or layer is None:
-            raise ValueError(f"megatron tensor {key!r} has no HF counterpart in the qwen2/qwen3/llama mapping")
-        names, kind = entry
+    axes = sharded_key_axes(key)
+    if (axes and layer is None) or (axes == 2 and expert is None):
+        raise ValueError(f"megatron tensor {key!r} is stacked over {'layers and experts' if axes == 2 else 'layers'}: "
+                         "its layer" + (" and expert" if axes == 2 else "") + " index is needed")
+    if axes == 0:
+        return _SHARDED_OTHER_KEYS[key]
+    suffix = key[len(LAYERS_PREFIX):]
+    if axes == 1:
+        names, kind = _SHARDED_LAYER_KEYS[suffix]
         return tuple(f"model.layers.{layer}.{n}" for n in names), kind
-    if key not in _SHARDED_OTHER_KEYS:
-        raise ValueError(f"megatron tensor {key!r} has no HF counterpart in the qwen2/qwen3/llama mapping")
-    return _SHARDED_OTHER_KEYS[key]
+    names, kind = _SHARDED_EXPERT_KEYS[suffix]
+    return tuple(f"model.layers.{layer}.mlp.experts.{expert}.{n}" for n in names), kind
 
 
 def expected_hf_shapes(hf_config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -773,7 +812,8 @@ def global_chunk_from_hf(source: "HFTensors", key: str, offsets: tuple[int, ...]
         source: the HF tensors.
         key: sharded-state-dict key (see :func:`sharded_key_to_hf`).
         offsets, sizes: the chunk in the global tensor; layer keys have the stacked layer axis
-            first (size 1 in ``sizes``).
+            first, expert keys the layer then the global expert axis (size 1 each in ``sizes``:
+            one chunk is one layer's, or one layer's one expert's, tensor or a slice of it).
         num_query_groups: GQA groups (``num_key_value_heads``) for the QKV interleave.
 
     Returns:
@@ -781,11 +821,15 @@ def global_chunk_from_hf(source: "HFTensors", key: str, offsets: tuple[int, ...]
         memory with the HF tensor when no fusing or padding is needed.
 
     Raises:
-        ValueError: the HF tensors do not fill the chunk (names the tensor and both shapes).
+        ValueError: an unknown key (see :func:`sharded_key_axes`), a chunk spanning several layers
+            or experts, or HF tensors that do not fill the chunk (names the tensor and both shapes).
     """
-    layered = key.startswith(LAYERS_PREFIX)
-    names, kind = sharded_key_to_hf(key, offsets[0] if layered else None)
-    start, size = (offsets[1:], sizes[1:]) if layered else (offsets, sizes)
+    axes = sharded_key_axes(key)
+    if any(s != 1 for s in sizes[:axes]):
+        raise ValueError(f"megatron tensor {key!r} chunk at {list(offsets)} of sizes {list(sizes)} spans several "
+                         "layers or experts; the streaming converter builds one layer (and expert) at a time")
+    names, kind = sharded_key_to_hf(key, *offsets[:axes])
+    start, size = offsets[axes:], sizes[axes:]
     rows = slice(start[0], start[0] + size[0])
     if kind == "fc1":  # rows [0, F) are gate_proj, [F, 2F) up_proj
         ffn = source.shape(names[0])[0]
@@ -815,15 +859,38 @@ def global_chunk_from_hf(source: "HFTensors", key: str, offsets: tuple[int, ...]
 
 
 def hf_from_global(key: str, tensor: torch.Tensor, *, layer: int | None, num_query_groups: int, head_dim: int,
-                   vocab_size: int) -> list[tuple[str, torch.Tensor]]:
+                   vocab_size: int, first_expert: int = 0) -> list[tuple[str, torch.Tensor]]:
     """HF tensors of one whole megatron global tensor (one layer's slice for layer keys, without the
-    stacked axis): QKV split per group, fc1 split into gate and up, padded vocabulary rows trimmed.
-    The results are views of ``tensor`` where possible.
+    stacked layer axis): QKV split per group, fc1 split into gate and up, padded vocabulary rows
+    trimmed. The results are views of ``tensor`` where possible.
+
+    Args:
+        key: sharded-state-dict key (see :func:`sharded_key_to_hf`).
+        tensor: the global tensor; layer keys: one layer's slice (e.g. [3*h', h] for QKV); expert
+            keys: one layer's experts [n, 2F, h] (fc1) or [n, h, F] (fc2), the experts
+            ``first_expert .. first_expert + n - 1`` (all of the layer's by default).
+        layer: the global layer index (layer and expert keys), else None.
+        num_query_groups, head_dim: the QKV layout.
+        vocab_size: HF vocabulary rows (the padding is trimmed).
+        first_expert: global index of the first expert in ``tensor`` (expert keys).
+
+    Returns:
+        [(HF name, tensor)], for expert keys expert by expert (gate, up per expert for fc1).
 
     Raises:
-        ValueError: unknown key (see :func:`sharded_key_to_hf`).
+        ValueError: unknown key (see :func:`sharded_key_axes`).
     """
-    names, kind = sharded_key_to_hf(key, layer)
+    if sharded_key_axes(key) == 2:
+        return [named for e in range(tensor.shape[0])
+                for named in _split_global(key, tensor[e], layer, first_expert + e, num_query_groups, head_dim,
+                                           vocab_size)]
+    return _split_global(key, tensor, layer, None, num_query_groups, head_dim, vocab_size)
+
+
+def _split_global(key: str, tensor: torch.Tensor, layer: int | None, expert: int | None, num_query_groups: int,
+                  head_dim: int, vocab_size: int) -> list[tuple[str, torch.Tensor]]:
+    """:func:`hf_from_global` for one layer's (and one expert's) tensor."""
+    names, kind = sharded_key_to_hf(key, layer, expert)
     if kind == "qkv":
         outputs = _split_qkv(tensor, num_query_groups, head_dim)
     elif kind == "fc1":
