@@ -114,6 +114,9 @@ class EngineSet:
             tp_size=r.tp_size, mem_fraction_static=r.mem_fraction_static, skip_tokenizer_init=r.skip_tokenizer_init,
             sglang_args=sglang_args, vllm_python=r.vllm_python, vllm_args=r.vllm_extra_args,
             per_server_args=per_server_args,
+            # MoE (issue 29): engines record the routed experts for rollout routing replay; their
+            # expert parallelism follows the model (launcher.engine_ep_size: rollout.tp_size for MoE)
+            return_routed_experts=cfg.actor.router_replay,
         )
         if self.multinode:  # bound to 0.0.0.0: this node's own calls go through the loopback address
             return [f"http://127.0.0.1:{server.port}" for server in self.processes]

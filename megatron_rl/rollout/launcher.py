@@ -12,6 +12,12 @@ unique ports chosen before any of them starts (an HTTP port, and for SGLang an `
 never SGLang's default of ``port + random(100, 1000)`` for NCCL, which collides when several
 engines share a node (case B31). ``launch_servers`` starts several and returns ``ServerProcess``
 handles; ``ServerProcess.restart()`` starts a dead one again on the same ports.
+
+Mixture-of-Experts models (issue 29): an engine of a model whose config.json names routed experts
+(`moe_num_experts`) runs its experts expert-parallel over its own TP ranks (`engine_ep_size`: SGLang
+``--ep-size <tp>``, vLLM ``--enable-expert-parallel``), and with ``actor.router_replay`` every engine
+records the experts each token was routed to (``--enable-return-routed-experts``, both engines;
+docs/SGLANG_API.md 2.11, docs/VLLM_API.md 1b).
 """
 
 from __future__ import annotations
@@ -46,9 +52,12 @@ __all__ = [
     "build_embedded_command",
     "build_sglang_command",
     "build_vllm_command",
+    "engine_ep_size",
     "find_free_port",
     "launch_rollout_server",
     "launch_servers",
+    "moe_num_experts",
+    "vllm_expert_parallel",
 ]
 
 def _tail(path: Path, lines: int = 40) -> str:
@@ -213,6 +222,8 @@ def build_sglang_command(
     weight_version: str | None = None,
     api_key: str | None = None,
     admin_api_key: str | None = None,
+    ep_size: int = 1,
+    enable_return_routed_experts: bool = False,
     extra_args: Sequence[str] = (),
 ) -> list[str]:
     """Command line of ``python -m sglang.launch_server`` (SGLang 0.5.23's flag names, SGLANG_API.md).
@@ -227,13 +238,24 @@ def build_sglang_command(
         skip_tokenizer_init: ``--skip-tokenizer-init``: token ids in and out (the rollout sends ids).
         random_seed, enable_deterministic_inference, dtype, weight_version, api_key, admin_api_key:
             the flags of the same names; None / False leaves a flag out.
-        extra_args: appended as given (e.g. ``["--enable-memory-saver"]``).
+        ep_size: ``--ep-size`` (Mixture-of-Experts models): the experts of every MoE layer are split
+            over this many of the engine's ``tp_size`` GPUs (SGLang's expert parallelism lives inside
+            the TP world: MoE TP = tp_size / ep_size); 1 (default) leaves the flag out.
+        enable_return_routed_experts: ``--enable-return-routed-experts``: the engine records the
+            experts every token was routed to and returns them to requests that ask
+            (``return_routed_experts``; rollout routing replay, ``actor.router_replay``).
+        extra_args: appended as given (e.g. ``["--enable-memory-saver"]``); SGLang's parser keeps
+            the last value of a repeated flag, so ``["--ep-size", "1"]`` here overrides ``ep_size``.
 
     Raises:
-        ValueError: ``tp_size < 1``, ``mem_fraction_static`` outside (0, 1), or equal ports.
+        ValueError: ``tp_size < 1``, ``ep_size`` not dividing ``tp_size``, ``mem_fraction_static``
+            outside (0, 1), or equal ports.
     """
     if tp_size < 1:
         raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+    if ep_size < 1 or tp_size % ep_size:
+        raise ValueError(f"ep_size must be >= 1 and divide tp_size {tp_size} (SGLang's expert parallelism splits "
+                         f"the engine's TP ranks), got {ep_size}")
     if mem_fraction_static is not None and not 0.0 < mem_fraction_static < 1.0:
         raise ValueError(f"mem_fraction_static must be in (0, 1), got {mem_fraction_static}")
     if port == nccl_port:
@@ -242,6 +264,8 @@ def build_sglang_command(
         python, "-m", "sglang.launch_server", "--model-path", str(model_path), "--host", host, "--port", str(port),
         "--nccl-port", str(nccl_port), "--tp-size", str(tp_size),
     ]
+    if ep_size > 1:
+        cmd += ["--ep-size", str(ep_size)]
     if mem_fraction_static is not None:
         cmd += ["--mem-fraction-static", str(mem_fraction_static)]
     if skip_tokenizer_init:
@@ -258,7 +282,65 @@ def build_sglang_command(
         cmd += ["--api-key", api_key]
     if admin_api_key:
         cmd += ["--admin-api-key", admin_api_key]
+    if enable_return_routed_experts:
+        cmd.append("--enable-return-routed-experts")
     return cmd + [str(a) for a in extra_args]
+
+
+def moe_num_experts(hf_config: dict | None) -> int:
+    """Routed experts per MoE layer named by a Hugging Face config.json dict, 0 for a dense model.
+
+    Reads the key each family uses: ``num_experts`` (Qwen2/Qwen3-MoE), ``n_routed_experts``
+    (DeepSeek), ``num_local_experts`` (Mixtral); None or a missing key is 0.
+
+    Raises:
+        ValueError: the key holds something other than a non-negative integer (named).
+    """
+    for key in ("num_experts", "n_routed_experts", "num_local_experts"):
+        value = (hf_config or {}).get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"config.json {key!r}={value!r}: expected a non-negative integer (routed experts)")
+        if value:
+            return value
+    return 0
+
+
+def engine_ep_size(model_path: str | os.PathLike | None, tp_size: int) -> int:
+    """Expert-parallel size of one rollout engine of ``tp_size`` GPUs: ``tp_size`` for a
+    Mixture-of-Experts model (every GPU of the engine holds num_experts / tp_size whole experts;
+    vLLM's ``--enable-expert-parallel`` always spans the engine's TP ranks, and it is SGLang's
+    usual MoE layout), 1 for a dense model or an engine of one GPU.
+
+    Args:
+        model_path: the model folder (its ``config.json`` is read); None, or a folder without a
+            readable config.json, counts as dense (the engine then fails on its own if it is not).
+        tp_size: GPUs of the engine (``rollout.tp_size`` / ``ROLLOUT_TP_SIZE``), >= 1.
+
+    Raises:
+        ValueError: ``tp_size < 1``; a config.json that is not JSON; experts that do not divide
+            over ``tp_size`` GPUs (the message names both numbers).
+    """
+    if tp_size < 1:
+        raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+    if model_path is None or tp_size == 1:
+        return 1
+    path = Path(model_path) / "config.json"
+    try:
+        text = path.read_text()
+    except OSError:
+        return 1
+    try:
+        experts = moe_num_experts(json.loads(text))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not experts:
+        return 1
+    if experts % tp_size:
+        raise ValueError(f"{path}: {experts} experts do not divide over the rollout engine's {tp_size} GPUs "
+                         "(expert parallelism over rollout.tp_size / ROLLOUT_TP_SIZE); choose a TP size dividing them")
+    return tp_size
 
 
 def with_parent_watchdog(cmd: Sequence[str], parent_pid: int | None = None) -> list[str]:
@@ -416,6 +498,12 @@ class LaunchSpec:
     sglang_args: tuple[str, ...] = ()
     vllm_python: str = "python"
     vllm_args: tuple[str, ...] = ()
+    ep_size: int = 1
+    """Expert-parallel size of each engine (MoE models; `engine_ep_size`): SGLang ``--ep-size``, vLLM
+    ``--enable-expert-parallel`` (only 1 or ``tp_size``)."""
+    return_routed_experts: bool = False
+    """Engines record the routed experts of every token (``--enable-return-routed-experts``, the
+    embedded server's too: its vLLM dialect then answers them with every completion): ``actor.router_replay``."""
 
 
 def _embedded_command(spec: LaunchSpec, ports: Sequence[int]) -> list[str]:
@@ -428,6 +516,8 @@ def _embedded_command(spec: LaunchSpec, ports: Sequence[int]) -> list[str]:
         extra += ["--api-key", spec.api_key]
     if spec.admin_api_key:
         extra += ["--admin-api-key", spec.admin_api_key]
+    if spec.return_routed_experts:  # the engines' flag: the vLLM dialect then answers every completion's routing
+        extra.append("--enable-return-routed-experts")
     return build_embedded_command(spec.model_path, host=spec.host, port=ports[0], extra_args=extra)
 
 
@@ -437,7 +527,8 @@ def _sglang_command(spec: LaunchSpec, ports: Sequence[int]) -> list[str]:
         tp_size=spec.tp_size, mem_fraction_static=spec.mem_fraction_static,
         skip_tokenizer_init=spec.skip_tokenizer_init, random_seed=spec.random_seed,
         enable_deterministic_inference=spec.enable_deterministic_inference, api_key=spec.api_key,
-        admin_api_key=spec.admin_api_key, extra_args=spec.sglang_args,
+        admin_api_key=spec.admin_api_key, ep_size=spec.ep_size,
+        enable_return_routed_experts=spec.return_routed_experts, extra_args=spec.sglang_args,
     )
 
 
@@ -451,6 +542,8 @@ def build_vllm_command(
     gpu_memory_utilization: float | None = None,
     seed: int | None = None,
     api_key: str | None = None,
+    enable_expert_parallel: bool = False,
+    enable_return_routed_experts: bool = False,
     extra_args: Sequence[str] = (),
 ) -> list[str]:
     """Command line of vLLM 0.33.x's OpenAI-compatible server with native NCCL weight transfer
@@ -465,6 +558,11 @@ def build_vllm_command(
         tp_size: ``--tensor-parallel-size``.
         gpu_memory_utilization: ``--gpu-memory-utilization`` in (0, 1); None keeps vLLM's default.
         seed: ``--seed``; api_key: ``--api-key`` (guards ``/v1`` only); extra_args: appended as given.
+        enable_expert_parallel: ``--enable-expert-parallel`` (Mixture-of-Experts models): the experts
+            are split over the engine's TP (x DP) ranks instead of tensor-parallel inside each expert.
+        enable_return_routed_experts: ``--enable-return-routed-experts``: every completion carries
+            ``routed_experts`` (rollout routing replay; vLLM 0.33 needs its V2 model runner, the
+            default, prefix caching on, the default, and pipeline_parallel_size 1).
 
     Raises:
         ValueError: ``tp_size < 1`` or ``gpu_memory_utilization`` outside (0, 1).
@@ -484,14 +582,34 @@ def build_vllm_command(
         cmd += ["--seed", str(seed)]
     if api_key:
         cmd += ["--api-key", api_key]
+    if enable_expert_parallel:
+        cmd.append("--enable-expert-parallel")
+    if enable_return_routed_experts:
+        cmd.append("--enable-return-routed-experts")
     return cmd + [str(a) for a in extra_args]
+
+
+def vllm_expert_parallel(ep_size: int, tp_size: int) -> bool:
+    """Whether a vLLM engine of ``tp_size`` GPUs runs ``ep_size``-way expert parallelism: vLLM has no
+    EP size, ``--enable-expert-parallel`` spans every TP rank, so only 1 (off) and ``tp_size`` (on) exist.
+
+    Raises:
+        ValueError: any other ``ep_size`` (names both sizes).
+    """
+    if ep_size == 1:
+        return False
+    if ep_size == tp_size:
+        return True
+    raise ValueError(f"ep_size {ep_size} with a vLLM engine of tp_size {tp_size}: vLLM's --enable-expert-parallel "
+                     "spans all the engine's TP ranks, so the EP size is 1 or the TP size")
 
 
 def _vllm_command(spec: LaunchSpec, ports: Sequence[int]) -> list[str]:
     return build_vllm_command(
         spec.model_path, python=spec.vllm_python, host=spec.host, port=ports[0], tp_size=spec.tp_size,
         gpu_memory_utilization=spec.mem_fraction_static, seed=spec.random_seed, api_key=spec.api_key,
-        extra_args=spec.vllm_args,
+        enable_expert_parallel=vllm_expert_parallel(spec.ep_size, spec.tp_size),
+        enable_return_routed_experts=spec.return_routed_experts, extra_args=spec.vllm_args,
     )
 
 
@@ -549,7 +667,9 @@ def launch_servers(
         spec_fields: the ``LaunchSpec`` fields (``host``, keys, ``random_seed``,
             ``enable_deterministic_inference``, ``embedded_args``, ``sglang_python``, ``tp_size``,
             ``mem_fraction_static``, ``skip_tokenizer_init``, ``sglang_args``, ``vllm_python``,
-            ``vllm_args``).
+            ``vllm_args``, ``ep_size``, ``return_routed_experts``). ``ep_size`` None or left out =
+            `engine_ep_size` of the model for ``sglang`` / ``vllm`` (``tp_size`` for a
+            Mixture-of-Experts model, else 1), 1 for the embedded server.
         Others: as ``launch_rollout_server``.
 
     Returns:
@@ -566,6 +686,9 @@ def launch_servers(
         if key in spec_fields:
             spec_fields[key] = tuple(str(a) for a in spec_fields[key] or ())
     model_path = resolve_model_path(str(model_path), what="rollout server --model-path")  # hub id -> HF cache
+    if spec_fields.get("ep_size") is None:  # the GPU engines' expert parallelism; the embedded server has none
+        gpu_engine = backend in ("sglang", "vllm")
+        spec_fields["ep_size"] = engine_ep_size(model_path, int(spec_fields.get("tp_size", 1))) if gpu_engine else 1
     spec = LaunchSpec(model_path=model_path, **spec_fields)
     port_sets = allocate_server_ports(num_servers, host=spec.host, ports=ports, per_server=kind.ports_per_server)
     if kind.env:
