@@ -6,7 +6,8 @@ job-layout checks that run before any GPU work, and waiting for rollout servers.
     python slurm/jobtool.py ports --host IP --base 30000 --slot 2 --count 3 [--job JOBID]
     python slurm/jobtool.py check --config R.yaml --trainer-nodes 4 ... [overrides]
     python slurm/jobtool.py wait-health --timeout 600 URL [URL ...]
-    python slurm/jobtool.py vllm-cmd --python P --model M --host IP --port N ... [--extra-args "..."]
+    python slurm/jobtool.py vllm-cmd --python P --model M --host IP --port N ... [--ep-size E]
+                                     [--enable-return-routed-experts] [--extra-args "..."]
 
 Ports (CASES.md B31): SGLang picks its NCCL port as ``http_port + random(100, 1000)`` when none is
 given, so engines sharing a node can collide. Here every engine on a node gets its own block of
@@ -27,6 +28,12 @@ server stands in for either, speaking the matching API (``--api-dialect vllm`` f
 names the ``rollout.backend`` the trainer then needs (`trainer_backend`); `vllm-cmd` prints the
 ``vllm serve`` line of ``megatron_rl.rollout.launcher.build_vllm_command``, so that a Slurm engine and
 one started by ``megatron-rl train`` get the same flags.
+
+Mixture-of-Experts models (issue 29): `check` names each engine's expert-parallel size
+(``ROLLOUT_EP_SIZE``; unset = ``ROLLOUT_TP_SIZE`` for a model whose config.json names routed experts,
+as `megatron_rl.rollout.launcher.engine_ep_size` does, else 1) and whether the engines record the
+routed experts (``actor.router_replay``); ``lib/engine.sh`` passes them on (SGLang ``--ep-size`` /
+vLLM ``--enable-expert-parallel``, ``--enable-return-routed-experts``).
 
 Standard library + psutil + PyYAML only, except `check` and `vllm-cmd` (they import megatron_rl).
 """
@@ -274,6 +281,7 @@ def check_job(
     engines_per_node: int,
     device: str,
     rollout_backend: str = "",
+    rollout_ep_size: int | None = None,
 ) -> dict:
     """The static checks of one job, run on the batch host before any step starts (seconds).
 
@@ -288,14 +296,20 @@ def check_job(
     Args:
         rollout_backend: ROLLOUT_BACKEND, ``sglang`` or ``vllm``; empty = the recipe's engine
             (``vllm`` for ``rollout.backend`` vllm / vllm-embedded, else ``sglang``).
+        rollout_ep_size: ROLLOUT_EP_SIZE, the expert-parallel size of each GPU engine (must divide
+            ROLLOUT_TP_SIZE; vLLM: 1 or ROLLOUT_TP_SIZE); None = `rollout_ep_size_of` the model.
 
     Returns:
         ``{"trainer_world", "dp", "engines", "engines_per_node", "model_path", "run_dir",
-        "rollout_backend", "trainer_backend", "vllm_python", "vllm_extra_args", "colocate"}`` (model_path and
+        "rollout_backend", "trainer_backend", "vllm_python", "vllm_extra_args", "colocate",
+        "rollout_ep_size", "router_replay"}`` (model_path and
         run_dir resolved against the recipe's folder / the working directory; the last two are the
         recipe's ``rollout.vllm_python`` and ``rollout.vllm_extra_args``, the latter as one
         shell-quoted string; ``colocate`` 1 with ``rollout.colocate``: the trainer starts its
-        ``rollout.num_servers`` engines itself and the job has no rollout step).
+        ``rollout.num_servers`` engines itself and the job has no rollout step; ``rollout_ep_size``
+        the GPU engines' EP size, 1 in CPU mode and with colocation (the trainer's launcher derives
+        its own); ``router_replay`` 1 with ``actor.router_replay``: engines start with
+        ``--enable-return-routed-experts``).
 
     Raises:
         JobConfigError: the message names the setting (job variable or config key).
@@ -392,24 +406,85 @@ def check_job(
             os.environ.pop("WORLD_SIZE", None)
         else:
             os.environ["WORLD_SIZE"] = saved
+    ep = 1
+    if device == "gpu" and not cfg.rollout.colocate:
+        ep = rollout_ep_size_of(cfg, rollout_tp_size, rollout_backend, rollout_ep_size)
+    elif rollout_ep_size not in (None, 1):
+        raise JobConfigError(f"ROLLOUT_EP_SIZE={rollout_ep_size}: only GPU engines on rollout nodes take it (CPU mode "
+                             "and rollout.colocate have no separate engines of ROLLOUT_TP_SIZE GPUs); unset it")
     return {"trainer_world": world, "dp": world // mp, "engines": engines, "engines_per_node": per_node,
             "model_path": str(cfg.model.path), "run_dir": str(cfg.run_dir), "rollout_backend": rollout_backend,
             "trainer_backend": trainer_backend, "vllm_python": cfg.rollout.vllm_python,
-            "vllm_extra_args": shlex.join(cfg.rollout.vllm_extra_args), "colocate": int(cfg.rollout.colocate)}
+            "vllm_extra_args": shlex.join(cfg.rollout.vllm_extra_args), "colocate": int(cfg.rollout.colocate),
+            "rollout_ep_size": ep, "router_replay": int(cfg.actor.router_replay)}
+
+
+def rollout_ep_size_of(cfg, rollout_tp_size: int, rollout_backend: str, requested: int | None = None) -> int:
+    """The expert-parallel size of each GPU engine of the job.
+
+    Args:
+        cfg: the loaded recipe (``model.path``, else ``model.hf_config_path``, names the config.json).
+        rollout_tp_size: ROLLOUT_TP_SIZE, GPUs per engine.
+        rollout_backend: ``sglang`` or ``vllm``.
+        requested: ROLLOUT_EP_SIZE; None = ``rollout_tp_size`` for a Mixture-of-Experts model (its
+            config.json names routed experts), else 1 (`megatron_rl.rollout.launcher.engine_ep_size`).
+
+    Raises:
+        JobConfigError: an EP size that does not divide ROLLOUT_TP_SIZE (SGLang), that is neither
+            1 nor ROLLOUT_TP_SIZE (vLLM), that does not divide the experts, or > 1 for a dense model.
+    """
+    import json
+    from pathlib import Path
+
+    from megatron_rl.rollout.launcher import moe_num_experts, vllm_expert_parallel
+
+    cands = [Path(str(cfg.model.path)) / "config.json"] if cfg.model.path else []
+    if cfg.model.hf_config_path:
+        cands.append(Path(str(cfg.model.hf_config_path)))
+    src = next((c for c in cands if c.is_file()), None)
+    try:
+        experts = moe_num_experts(json.loads(src.read_text())) if src is not None else 0
+    except ValueError as e:  # JSONDecodeError is a ValueError
+        raise JobConfigError(f"{src}: {e}") from None
+    if requested is None:
+        if not experts or rollout_tp_size == 1:
+            return 1
+        if experts % rollout_tp_size:
+            raise JobConfigError(f"ROLLOUT_TP_SIZE={rollout_tp_size}: the model's {experts} experts ({src}) do not "
+                                 "divide over an engine's GPUs (expert parallelism); choose a TP size dividing them, or "
+                                 "set ROLLOUT_EP_SIZE")
+        return rollout_tp_size
+    if requested < 1 or rollout_tp_size % requested:
+        raise JobConfigError(f"ROLLOUT_EP_SIZE={requested} must be >= 1 and divide ROLLOUT_TP_SIZE={rollout_tp_size} "
+                             "(an engine's expert parallelism splits its own GPUs)")
+    if requested > 1 and not experts:
+        raise JobConfigError(f"ROLLOUT_EP_SIZE={requested}: the model ({src or 'no config.json found'}) has no routed "
+                             "experts; expert parallelism is for Mixture-of-Experts models (unset it)")
+    if requested > 1 and experts % requested:
+        raise JobConfigError(f"ROLLOUT_EP_SIZE={requested} does not divide the model's {experts} experts ({src})")
+    if rollout_backend == "vllm":
+        try:
+            vllm_expert_parallel(requested, rollout_tp_size)
+        except ValueError as e:
+            raise JobConfigError(f"{e} (ROLLOUT_EP_SIZE / ROLLOUT_TP_SIZE)") from None
+    return requested
 
 
 def vllm_command(python: str, model: str, *, host: str, port: int, tp_size: int, gpu_memory_utilization: float,
-                 seed: int, extra_args: Sequence[str] = ()) -> list[str]:
+                 seed: int, extra_args: Sequence[str] = (), ep_size: int = 1,
+                 enable_return_routed_experts: bool = False) -> list[str]:
     """The ``vllm serve`` command line of one Slurm engine: `megatron_rl.rollout.launcher.build_vllm_command`
     (the line ``rollout.backend: vllm`` starts), each string of ``extra_args`` split as a shell would.
+    ``ep_size`` (ROLLOUT_EP_SIZE: 1 or ``tp_size``) > 1 adds ``--enable-expert-parallel``;
+    ``enable_return_routed_experts`` (``actor.router_replay``) adds ``--enable-return-routed-experts``.
 
     Raises:
-        JobConfigError: ``tp_size`` or ``gpu_memory_utilization`` out of range, or an extra-args
-            string with unbalanced quotes.
+        JobConfigError: ``tp_size``, ``ep_size`` or ``gpu_memory_utilization`` out of range, or an
+            extra-args string with unbalanced quotes.
     """
     import shlex
 
-    from megatron_rl.rollout.launcher import build_vllm_command
+    from megatron_rl.rollout.launcher import build_vllm_command, vllm_expert_parallel
 
     try:
         extra = [a for text in extra_args for a in shlex.split(text)]
@@ -417,9 +492,11 @@ def vllm_command(python: str, model: str, *, host: str, port: int, tp_size: int,
         raise JobConfigError(f"VLLM_EXTRA_ARGS / rollout.vllm_extra_args: {e}: {list(extra_args)}") from None
     try:
         return build_vllm_command(model, python=python, host=host, port=port, tp_size=tp_size,
-                                  gpu_memory_utilization=gpu_memory_utilization, seed=seed, extra_args=extra)
+                                  gpu_memory_utilization=gpu_memory_utilization, seed=seed, extra_args=extra,
+                                  enable_expert_parallel=vllm_expert_parallel(ep_size, tp_size),
+                                  enable_return_routed_experts=enable_return_routed_experts)
     except ValueError as e:
-        raise JobConfigError(f"{e} (ROLLOUT_TP_SIZE / ROLLOUT_MEM_FRACTION)") from None
+        raise JobConfigError(f"{e} (ROLLOUT_TP_SIZE / ROLLOUT_EP_SIZE / ROLLOUT_MEM_FRACTION)") from None
 
 
 def wait_health(urls: Sequence[str], timeout_s: float) -> None:
@@ -468,6 +545,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         a.add_argument(f"--{name}", type=int, required=True)
     a.add_argument("--device", required=True)
     a.add_argument("--rollout-backend", default="", help="ROLLOUT_BACKEND: sglang | vllm (empty: the recipe's)")
+    a.add_argument("--rollout-ep-size", default="",
+                   help="ROLLOUT_EP_SIZE: expert-parallel size of each engine (empty: the engine TP for MoE, else 1)")
     a.add_argument("overrides", nargs="*")
     a = sub.add_parser("vllm-cmd", help="the `vllm serve` line of one engine, shell-quoted")
     a.add_argument("--python", required=True, help="interpreter of vLLM's environment")
@@ -477,6 +556,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     a.add_argument("--tp-size", type=int, required=True)
     a.add_argument("--gpu-memory-utilization", type=float, required=True)
     a.add_argument("--seed", type=int, required=True)
+    a.add_argument("--ep-size", type=int, default=1, help="ROLLOUT_EP_SIZE: 1, or the TP size (--enable-expert-parallel)")
+    a.add_argument("--enable-return-routed-experts", action="store_true", help="actor.router_replay of the recipe")
     a.add_argument("--extra-args", action="append", default=[], help="more flags, split as a shell would")
     a = sub.add_parser("wait-health", help="wait until every URL's /health answers 200")
     a.add_argument("--timeout", type=float, default=600)
@@ -492,11 +573,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ports = slot_ports(args.base, args.slot, args.count, host=args.host)
             print(" ".join(map(str, ports)))
         elif args.cmd == "check":
+            ep = args.rollout_ep_size.strip()
+            if ep and not ep.isdigit():
+                raise JobConfigError(f"ROLLOUT_EP_SIZE={ep}: expected a positive integer (or unset)")
             out = check_job(
                 args.config, args.overrides, total_nodes=args.total_nodes, trainer_nodes=args.trainer_nodes,
                 rollout_nodes=args.rollout_nodes, gpus_per_node=args.gpus_per_node,
                 rollout_tp_size=args.rollout_tp_size, engines_per_node=args.engines_per_node, device=args.device,
-                rollout_backend=args.rollout_backend,
+                rollout_backend=args.rollout_backend, rollout_ep_size=int(ep) if ep else None,
             )
             # shell assignments for `eval` in slurm/train.sbatch
             import shlex
@@ -507,7 +591,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             print(shlex.join(vllm_command(args.python, args.model, host=args.host, port=args.port,
                                           tp_size=args.tp_size, gpu_memory_utilization=args.gpu_memory_utilization,
-                                          seed=args.seed, extra_args=args.extra_args)))
+                                          seed=args.seed, extra_args=args.extra_args, ep_size=args.ep_size,
+                                          enable_return_routed_experts=args.enable_return_routed_experts)))
         else:
             wait_health(args.urls, args.timeout)
     except (JobConfigError, TimeoutError) as e:

@@ -6,7 +6,9 @@
 # mode (with `--api-dialect vllm` for ROLLOUT_BACKEND=vllm: vLLM's API, its CPU stand-in).
 # Env (from train.sbatch): JOB_DIR, PYTHON, REPO, MEGATRON_RL_DEVICE, MODEL_PATH, ROLLOUT_BASE_PORT,
 # ROLLOUT_TP_SIZE, ROLLOUT_MEM_FRACTION, SGLANG_EXTRA_ARGS, ROLLOUT_SEED, ROLLOUT_BACKEND, VLLM_PYTHON,
-# JOB_VLLM_EXTRA_ARGS (the recipe's rollout.vllm_extra_args), VLLM_EXTRA_ARGS.
+# JOB_VLLM_EXTRA_ARGS (the recipe's rollout.vllm_extra_args), VLLM_EXTRA_ARGS, and for Mixture-of-Experts
+# models ROLLOUT_EP_SIZE (expert parallelism inside the engine, checked by jobtool.py check) and
+# ROUTER_REPLAY (1: the recipe's actor.router_replay; engines return the routed experts).
 set -euo pipefail
 
 node="${SLURMD_NODENAME:?not inside a Slurm step}"
@@ -27,6 +29,8 @@ echo "engine $SLURM_PROCID on $node slot $slot: $url (nccl port $nccl_port, dist
 printf '%s\n' "$url" > "$JOB_DIR/urls/$(printf '%05d' "$SLURM_PROCID").tmp"
 mv "$JOB_DIR/urls/$(printf '%05d' "$SLURM_PROCID").tmp" "$JOB_DIR/urls/$(printf '%05d' "$SLURM_PROCID")"
 
+ep_size="${ROLLOUT_EP_SIZE:-1}"
+routed=(); [ "${ROUTER_REPLAY:-0}" = 1 ] && routed=(--enable-return-routed-experts)
 if [ "$MEGATRON_RL_DEVICE" = gpu ]; then
   # engine `slot` owns GPUs [slot*TP, (slot+1)*TP) of its node
   first=$(( slot * ROLLOUT_TP_SIZE ))
@@ -38,21 +42,26 @@ if [ "$MEGATRON_RL_DEVICE" = gpu ]; then
     # the OS (bound, not random offsets); only the HTTP port is picked here.
     line=$("$PYTHON" "$REPO/slurm/jobtool.py" vllm-cmd --python "${VLLM_PYTHON:-python}" --model "$MODEL_PATH" \
       --host "$ip" --port "$port" --tp-size "$ROLLOUT_TP_SIZE" --gpu-memory-utilization "$ROLLOUT_MEM_FRACTION" \
-      --seed "$ROLLOUT_SEED" --extra-args "${JOB_VLLM_EXTRA_ARGS:-}" --extra-args "${VLLM_EXTRA_ARGS:-}")
+      --seed "$ROLLOUT_SEED" --ep-size "$ep_size" "${routed[@]}" \
+      --extra-args "${JOB_VLLM_EXTRA_ARGS:-}" --extra-args "${VLLM_EXTRA_ARGS:-}")
     eval "cmd=($line)"   # shell-quoted by jobtool (shlex.join)
     export VLLM_SERVER_DEV_MODE=1
     exec "${cmd[@]}"
   fi
   # log-probs of the unscaled policy, as the trainer computes them (launcher.SGLANG_ENV)
   export SGLANG_RETURN_ORIGINAL_LOGPROB=1
+  # MoE: the experts split over the engine's GPUs (--ep-size, as launcher.build_sglang_command) and the
+  # routed experts recorded for router replay; SGLANG_EXTRA_ARGS come last (a repeated flag's last value wins)
+  moe=(); [ "$ep_size" -gt 1 ] && moe=(--ep-size "$ep_size")
   # shellcheck disable=SC2086  # SGLANG_EXTRA_ARGS is a list of flags
   exec "$PYTHON" -m sglang.launch_server --model-path "$MODEL_PATH" --tp-size "$ROLLOUT_TP_SIZE" \
     --host "$ip" --port "$port" --nccl-port "$nccl_port" --dist-init-addr "$ip:$dist_port" \
-    --mem-fraction-static "$ROLLOUT_MEM_FRACTION" --random-seed "$ROLLOUT_SEED" ${SGLANG_EXTRA_ARGS:-}
+    --mem-fraction-static "$ROLLOUT_MEM_FRACTION" --random-seed "$ROLLOUT_SEED" "${moe[@]}" "${routed[@]}" \
+    ${SGLANG_EXTRA_ARGS:-}
 else
   # the embedded server speaks the engine's HTTP API (SGLang's, or vLLM's with --api-dialect vllm);
   # it has no NCCL/dist-init ports (gloo, one process)
   dialect=(); [ "${ROLLOUT_BACKEND:-sglang}" = vllm ] && dialect=(--api-dialect vllm)
   exec "$PYTHON" -m megatron_rl.cli rollout-server --model-path "$MODEL_PATH" --host "$ip" --port "$port" \
-    --random-seed "$ROLLOUT_SEED" "${dialect[@]}"
+    --random-seed "$ROLLOUT_SEED" "${dialect[@]}" "${routed[@]}"
 fi

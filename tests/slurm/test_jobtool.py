@@ -360,3 +360,76 @@ def test_colocated_recipe_is_one_node_without_a_rollout_step(tmp_path):
     assert jobtool.check_job(ci, [], **cpu)["colocate"] == 0
     out = jobtool.check_job(ci, ["rollout.colocate=true"], **cpu)
     assert (out["colocate"], out["trainer_backend"], out["engines"]) == (1, "embedded", 1)
+
+
+def test_moe_recipe_passes_the_job_checks_with_expert_parallel_engines(tmp_path):
+    """examples/qwen3-30b-a3b/dapo.yaml with its sbatch wrapper's defaults (issue 29): 32 trainer ranks (DP 8),
+    8 engines of TP 4 whose experts are split over their 4 GPUs (ROLLOUT_EP_SIZE unset: the model's config.json
+    names 128 routed experts) and that return routed experts (actor.router_replay). An explicit ROLLOUT_EP_SIZE
+    must divide ROLLOUT_TP_SIZE (SGLang) or equal it (vLLM), and is refused for a dense model."""
+    sbatch = (REPO / "slurm/qwen3-30b-a3b-dapo.sbatch").read_text()
+    assert "export RECIPE=examples/qwen3-30b-a3b/dapo.yaml" in sbatch and "#SBATCH --nodes=8" in sbatch
+    assert 'ROLLOUT_TP_SIZE="${ROLLOUT_TP_SIZE:-4}"' in sbatch and 'TRAINER_NODES="${TRAINER_NODES:-4}"' in sbatch
+    files = _fake_model_files(tmp_path, "qwen3-30b-a3b")
+    recipe = str(REPO / "examples/qwen3-30b-a3b/dapo.yaml")
+    out = _check(config=recipe, overrides=files)
+    assert (out["trainer_world"], out["dp"], out["engines"], out["engines_per_node"]) == (32, 8, 8, 2)
+    assert (out["rollout_ep_size"], out["router_replay"], out["rollout_backend"]) == (4, 1, "sglang")
+    assert _check(config=recipe, overrides=files, rollout_ep_size=2)["rollout_ep_size"] == 2
+    assert _check(config=recipe, overrides=[*files, "actor.router_replay=false"])["router_replay"] == 0
+    with pytest.raises(jobtool.JobConfigError, match=r"ROLLOUT_EP_SIZE=3 must be >= 1 and divide ROLLOUT_TP_SIZE=4"):
+        _check(config=recipe, overrides=files, rollout_ep_size=3)
+    vllm = _check(config=recipe, overrides=files, rollout_backend="vllm")
+    assert (vllm["rollout_ep_size"], vllm["trainer_backend"]) == (4, "vllm")
+    with pytest.raises(jobtool.JobConfigError, match=r"ep_size 2 with a vLLM engine of tp_size 4.*ROLLOUT_EP_SIZE"):
+        _check(config=recipe, overrides=files, rollout_backend="vllm", rollout_ep_size=2)
+    from megatron_rl.config import load_config
+
+    with pytest.raises(jobtool.JobConfigError, match=r"ROLLOUT_TP_SIZE=3: the model's 128 experts .* do not divide"):
+        jobtool.rollout_ep_size_of(load_config(recipe, files), 3, "sglang")
+    (tmp_path / "dense").mkdir()
+    dense = _fake_model_files(tmp_path / "dense", "qwen2.5-32b")
+    assert _check(overrides=dense)["rollout_ep_size"] == 1 and _check(overrides=dense)["router_replay"] == 0
+    with pytest.raises(jobtool.JobConfigError, match=r"ROLLOUT_EP_SIZE=4: the model .* has no routed experts"):
+        _check(overrides=dense, rollout_ep_size=4)
+
+
+@pytest.mark.parametrize("backend", ["sglang", "vllm"])
+def test_engine_script_gpu_branch_passes_the_moe_flags(tmp_path, backend):
+    """slurm/lib/engine.sh for a Mixture-of-Experts job (ROLLOUT_EP_SIZE=4, ROUTER_REPLAY=1, as train.sbatch
+    exports them from `jobtool.py check`): SGLang gets `--ep-size 4 --enable-return-routed-experts` before
+    SGLANG_EXTRA_ARGS; vLLM gets `launcher.build_vllm_command`'s line with `--enable-expert-parallel
+    --enable-return-routed-experts`. Stand-in engine modules record the argv (neither engine runs here)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from megatron_rl.rollout.launcher import build_vllm_command
+
+    _fake_module(tmp_path / "fake", "sglang.launch_server" if backend == "sglang" else "vllm.entrypoints.cli.main")
+    job = tmp_path / "job"
+    (job / "urls").mkdir(parents=True)
+    (job / "hosts").write_text("gpu-node-1 127.0.0.1\n")
+    base = 20000 + 16 * 8 * (os.getpid() % 60) + (64 if backend == "sglang" else 96)
+    env = dict(os.environ, SLURMD_NODENAME="gpu-node-1", SLURM_LOCALID="0", SLURM_PROCID="0", JOB_DIR=str(job),
+               PYTHON=sys.executable, REPO=str(REPO), MEGATRON_RL_DEVICE="gpu", MODEL_PATH="/ckpt/Qwen3-30B-A3B",
+               ROLLOUT_BASE_PORT=str(base), ROLLOUT_TP_SIZE="4", ROLLOUT_MEM_FRACTION="0.85", ROLLOUT_SEED="7",
+               SGLANG_EXTRA_ARGS="--enable-metrics", ROLLOUT_BACKEND=backend, VLLM_PYTHON=sys.executable,
+               ROLLOUT_EP_SIZE="4", ROUTER_REPLAY="1", FAKE_OUT=str(tmp_path / "engine.json"),
+               PYTHONPATH=os.pathsep.join([str(tmp_path / "fake"), os.environ.get("PYTHONPATH", "")]))
+    env.pop("JOB_VLLM_EXTRA_ARGS", None)
+    env.pop("VLLM_EXTRA_ARGS", None)
+    proc = subprocess.run(["bash", str(REPO / "slurm/lib/engine.sh")], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    argv = json.loads((tmp_path / "engine.json").read_text())["argv"]
+    if backend == "sglang":
+        assert argv[-4:] == ["--ep-size", "4", "--enable-return-routed-experts", "--enable-metrics"]
+        assert argv[:4] == ["--model-path", "/ckpt/Qwen3-30B-A3B", "--tp-size", "4"]
+    else:
+        want = build_vllm_command("/ckpt/Qwen3-30B-A3B", python=sys.executable, host="127.0.0.1", port=base, tp_size=4,
+                                  gpu_memory_utilization=0.85, seed=7, enable_expert_parallel=True,
+                                  enable_return_routed_experts=True)
+        assert argv == want[3:]
+        assert "--enable-expert-parallel" in argv and "--enable-return-routed-experts" in argv
