@@ -1,4 +1,4 @@
-"""Cost model of Qwen2.5-32B RL (GRPO / DAPO / DA3PO recipes) on H100 clusters: memory, step time, GPU-hours.
+"""Cost model of Qwen2.5-32B RL (GRPO / DAPO / DA3PO recipes) and Qwen3-30B-A3B DAPO on H100 clusters: memory, step time, GPU-hours.
 
 An analytical model, not a measurement (docs/cost_model.md explains every formula and its source):
 
@@ -15,6 +15,9 @@ An analytical model, not a measurement (docs/cost_model.md explains every formul
   sync) for the recipe's batch (gen batch 1536 x 16 responses, train batch 512 x 16, 16 updates),
   as a function of the mean response length, and the node split that minimises GPU-hours; the
   asynchronous step (eta = 1: `benchmarks/cost_model_async.py`) against it.
+* **Mixture-of-Experts** (`benchmarks/cost_model_moe.py`): Qwen3-30B-A3B's total vs active
+  parameters, the MoE trainer layout's memory, the token dispatcher's all-to-all volume, the EP
+  weight-sync bytes, and its DAPO step (synchronous and eta = 1).
 
     .venv/bin/python benchmarks/cost_model.py                 # tables + benchmarks/results/cost_model.json
     .venv/bin/python benchmarks/cost_model.py --mean-response 6000 --steps 400
@@ -644,6 +647,9 @@ def main() -> None:
 
     from cost_model_async import async_section  # the eta = 1 step (issue 16); benchmarks/ is on sys.path
     result["async"] = async_section(sys.modules[__name__], shape, recipe, cl, args.steps)
+    from cost_model_moe import moe_section  # Qwen3-30B-A3B (issue 29)
+
+    result["moe"] = moe_section(REPO, args.steps, args.mean_response, args.mean_prompt, args.gen_batches)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(f"\nwrote {args.out}")

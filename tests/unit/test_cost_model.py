@@ -170,3 +170,146 @@ def test_async_reprefill_and_recipe_step(cm, cma):
     assert a["async_step_s"] == pytest.approx(max(st["rollout_s"] + want, st["logprob_s"] + st["update_s"])
                                               + st["weight_sync_s"])
     assert a["bound"] == "rollout" and 1.40 < a["speedup"] < 1.45  # 58.5 -> 41.4 min a step
+
+
+# ---- Mixture-of-Experts (issue 29): benchmarks/cost_model_moe.py ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def cmm(cm):
+    import sys
+
+    for name in ("cost_model_async", "cost_model_moe"):  # cost_model_moe imports both by name
+        spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules["cost_model_moe"]
+
+
+def test_qwen3_30b_a3b_total_and_active_parameters(cmm):
+    """Qwen3-30B-A3B by hand (examples/qwen3-30b-a3b/config.json): the model card's 30.5 B total, 3.3 B active."""
+    shape = cmm.MoEShape.from_hf_config(json.loads((REPO / "examples/qwen3-30b-a3b/config.json").read_text()))
+    assert shape == cmm.QWEN3_30B_A3B
+    # attention: q 2048 x 32*128, k and v 2048 x 4*128 each, o 4096 x 2048, q/k norms 128 each; router 2048 x 128;
+    # two RMSNorms of 2048; 128 experts of gate + up + down 3 x 2048 x 768
+    attn = 2048 * 4096 + 2 * 2048 * 512 + 4096 * 2048 + 2 * 128
+    dense = attn + 2048 * 128 + 2 * 2048
+    expert = 3 * 2048 * 768
+    assert (shape.attention_params_per_layer(), shape.expert_params()) == (18_874_624, 4_718_592)
+    assert shape.params_per_layer() == dense + 128 * expert == 623_120_640
+    assert shape.active_params_per_layer() == dense + 8 * expert == 56_889_600
+    emb = 2 * 151_936 * 2048 + 2048  # untied embedding and output layer + final norm
+    assert shape.total_params() == 48 * 623_120_640 + emb == 30_532_122_624
+    assert shape.active_params() == 48 * 56_889_600 + emb == 3_353_032_704
+    assert shape.expert_params_total() == 48 * 128 * expert == 28_991_029_248
+    assert shape.kv_bytes_per_token(4) == 2 * 48 * 1 * 128 * 2 == 24_576  # 4 KV heads / TP 4
+    assert shape.experts_touched(1) == pytest.approx(8) and shape.experts_touched(10_000) == pytest.approx(128)
+
+
+SMALL_MOE = dict(hidden=256, moe_ffn=128, layers=4, heads=4, kv_heads=2, head_dim=64, vocab=1024, experts=8, topk=2)
+
+
+def test_moe_memory_per_gpu_hand_computed(cmm):
+    """h 256, expert width 128, 4 layers, 4 heads / 2 KV (d 64), vocabulary 1024, 8 experts top-2; TP 2 x DP 4
+    (8 GPUs), EP 2 with expert TP 2 -> expert-DP 8 / (2 x 2) = 2; one 1024-token micro-batch, full recompute."""
+    shape = cmm.MoEShape(**SMALL_MOE)
+    lay = cmm.MoETrainLayout(tp=2, pp=1, dp=4, ep=2, seq_len=1024, microbatches_per_update=8)
+    assert (lay.expert_tp, lay.expert_dp, lay.world) == (2, 2, 8)
+    # dense per GPU: 4 x (attention 196,736 / TP 2 + router 2048 + norms 512, both replicated) + embedding and
+    # output 1024 x 256 / 2 each + final norm 256; experts: 4 layers x 8 x 98,304 / (EP 2 x ETP 2)
+    p = cmm.moe_stage_params(shape, lay)["last"]
+    assert p == {"dense": 4 * (196_736 / 2 + 2048 + 512) + 2 * 1024 * 256 / 2 + 256, "expert": 4 * 8 * 98_304 / 4}
+    d, e = 666_112, 786_432
+    assert (p["dense"], p["expert"]) == (d, e)
+    static = (2 + 4) * (d + e) + 12 * d / 4 + 12 * e / 2  # bf16 + fp32 grads; optimizer / DP 4 (dense), / 2 (experts)
+    kept = 4 * 2 * 256 * 1024 / 2  # 4 layers' inputs, 2 h / TP a token
+    # one layer a token: attention (Q 2q + K,V 4gd + out 2q + lse 4a) / 2 + (norm inputs 4h + QKV in 2h) / 2
+    # + router 8 E / 2 = 776 + 768 + 32; pairs 1024 x 2 / EP 2 x 1.5 = 1536 of 6h + 6f / ETP = 1920 bytes
+    layer = 1024 * (776 + 768 + 32) + 1536 * 1920
+    assert cmm.moe_layer_working_bytes(shape, lay) == layer == 4_562_944
+    logits = 1024 * 512 * 22
+    total = static + kept + 2 * layer + logits + 0.1 * (kept + 2 * layer + logits) + 5 * GIB
+    m = cmm.moe_memory_per_gpu(shape, lay)
+    assert m["total_gib"] == pytest.approx(total / GIB, rel=1e-12)
+    assert (m["dense_params_per_gpu"], m["expert_params_per_gpu"]) == (d, e)
+    with pytest.raises(ValueError, match="expert_model_parallel_size 3"):
+        cmm.moe_stage_params(shape, cmm.MoETrainLayout(tp=1, pp=1, dp=3, ep=3, seq_len=16))
+    with pytest.raises(ValueError, match="does not divide into expert_tensor_parallel_size 2 x expert_model_parallel_size 4"):
+        cmm.MoETrainLayout(tp=2, pp=1, dp=2, ep=4, seq_len=16)
+    with pytest.raises(ValueError, match="needs sequence_parallel"):
+        cmm.MoETrainLayout(tp=2, pp=1, dp=1, ep=1, seq_len=16, sequence_parallel=False)
+
+
+def test_alltoall_volume_hand_computed(cmm):
+    """1000 tokens, 4 passes, the small model at TP 2 / ETP 2 x EP 2 on 8 GPUs: a token leaves for half its
+    2 experts (EP 2) in dispatch and combine, 2 x 2 x 2h x 1/2 = 1024 bytes a layer and pass; the expert-TP
+    all-gather / reduce-scatter adds T k (ETP - 1) 4h / world a layer and pass per GPU."""
+    shape = cmm.MoEShape(**SMALL_MOE)
+    lay = cmm.MoETrainLayout(tp=2, pp=1, dp=4, ep=2, seq_len=1024)
+    v = cmm.alltoall_volume(shape, lay, 1000, 4)
+    assert v["bytes_per_token_layer_pass"] == 1024
+    assert v["total_bytes"] == 1024 * 1000 * 4 * 4 and v["per_gpu_bytes"] == 16_384_000 / 8
+    assert v["etp_bytes_per_gpu"] == 1000 * 2 * 1 * 4 * 256 / 8 * 4 * 4 == 4_096_000
+    assert v["nodes_spanned"] == 1 and v["ib_bytes_per_gpu"] == 0
+    assert v["seconds"] == pytest.approx((2_048_000 + 4_096_000) / (450e9 * 0.6))
+    # 2 GPUs a node: the EP group (ranks r, r + 2) spans 2 nodes, so the all-to-all goes over InfiniBand
+    x = cmm.alltoall_volume(shape, lay, 1000, 4, cmm.Links(gpus_per_node=2))
+    assert (x["nodes_spanned"], x["ib_bytes_per_gpu"], x["nvlink_bytes_per_gpu"]) == (2, 2_048_000, 4_096_000)
+    assert x["seconds"] == pytest.approx(max(4_096_000 / (450e9 * 0.6), 2_048_000 / (50e9 * 0.6)))
+    # Qwen3-30B-A3B, EP 2: 2 x 8 x 2 x 2048 x 1/2 = 32 KiB a token, layer and pass
+    q = cmm.alltoall_volume(cmm.QWEN3_30B_A3B, cmm.MoETrainLayout(tp=4, pp=1, dp=8, ep=2, seq_len=16), 1, 1)
+    assert q["bytes_per_token_layer_pass"] == 32_768
+
+
+def test_ep_sync_bytes_hand_computed(cmm):
+    """Qwen3-30B-A3B at TP 4 x EP 2 (ETP 4): the source rank gathers 3/4 of the dense weights, half the experts
+    over EP and 3/4 of its own EP half over expert TP; the engines receive the whole bf16 checkpoint once."""
+    shape = cmm.QWEN3_30B_A3B
+    s = cmm.ep_sync_bytes(shape, cmm.MoETrainLayout(tp=4, pp=1, dp=8, ep=2, seq_len=16))
+    experts, total = 28_991_029_248 * 2, 30_532_122_624 * 2
+    assert s["broadcast_bytes"] == total == 61_064_245_248
+    assert s["tp_gather_bytes"] == (total - experts) * 3 / 4
+    assert s["ep_gather_bytes"] == experts / 2 == 28_991_029_248
+    assert s["etp_gather_bytes"] == experts / 2 * 3 / 4
+    assert s["broadcast_s"] == pytest.approx(total / 20e9)  # 3.05 s
+    assert s["gather_s"] == pytest.approx((s["tp_gather_bytes"] + s["etp_gather_bytes"] + s["ep_gather_bytes"])
+                                          / (450e9 * 0.6))  # the EP group inside a node: all over NVLink
+
+
+def test_moe_decode_reads_only_the_touched_experts(cmm, cm):
+    """Batch 1 reads the dense weights and the 8 experts of its token in each layer; a large batch reads all 128."""
+    shape, dm = cmm.QWEN3_30B_A3B, cm.DecodeModel()
+    dense = 30_532_122_624 - 28_991_029_248
+    weights = (dense + 48 * 8 * 4_718_592) * 2 / 4
+    kv = 1 * 1000 * 24_576
+    t_mem = (weights + kv) / (3.35e12 * 0.6)
+    t = cmm.moe_decode_iteration_s(shape, cm.H100, 4, 1, 1000.0)
+    assert t == pytest.approx(t_mem + 2 * 48 * 20e-6 + 2e-3)  # memory-bound
+    big = cmm.moe_decode_iteration_s(shape, cm.H100, 4, 500, 1000.0)
+    t_big = (30_532_122_624 * 2 / 4 + 500 * 1000 * 24_576) / (3.35e12 * 0.6)
+    assert big == pytest.approx(t_big + 2 * 48 * 20e-6 + 2e-3, rel=1e-6)
+
+
+def test_qwen3_30b_a3b_recipe_layout_and_step(cmm, cm):
+    """examples/qwen3-30b-a3b/dapo.yaml + slurm/qwen3-30b-a3b-dapo.sbatch: TP 4 x PP 1 x DP 8, EP 2 (ETP 4,
+    expert-DP 4) on 4 trainer nodes, engines of TP 4 on 4 rollout nodes, router replay on; the trainer fits an
+    H100 80GB with > 10 GiB to spare; the step is the sum of its parts and eta = 1 overlaps them."""
+    r = cmm.recipe_layout(REPO)
+    lay = r["layout"]
+    assert (lay.tp, lay.pp, lay.dp, lay.ep, lay.expert_tp, lay.expert_dp) == (4, 1, 8, 2, 4, 4)
+    assert lay.seq_len == 22_528 and lay.recompute == "full" and r["router_replay"]
+    assert (r["trainer_nodes"], r["rollout_nodes"], r["rollout_tp"]) == (4, 4, 4)
+    m = cmm.moe_memory_per_gpu(cmm.QWEN3_30B_A3B, lay)
+    assert m["total_gib"] < cm.H100.memory_gib - 10
+    assert cmm.ep_nodes_spanned(lay, 8) == 1  # the EP group (ranks r, r + 4) stays inside a node
+    cl = cm.Cluster(engine=cm.RolloutEngine(tp=4, mem_fraction=0.85), train_hfu=cmm.MOE_TRAIN_HFU)
+    st = cmm.moe_step_time(cmm.QWEN3_30B_A3B, r["recipe"], cl, lay)
+    assert st["step_s"] == pytest.approx(st["rollout_s"] + st["logprob_s"] + st["update_s"] + st["weight_sync_s"])
+    tokens = 512 * 16 * (200 + 4000)
+    fwd = (2 * 3_353_032_704 + 2 * 4096 * 48 * 4200) * tokens
+    a2a = cmm.alltoall_volume(cmm.QWEN3_30B_A3B, lay, tokens, 1)["seconds"]
+    assert st["logprob_s"] == pytest.approx(fwd / (32 * 989e12 * 0.20) + a2a)
+    a = cmm.cma.async_step(st, cmm.moe_reprefill_s(cmm.QWEN3_30B_A3B, r["recipe"], cl))
+    assert a["bound"] == "rollout" and a["async_step_s"] < st["step_s"]
+    with pytest.raises(ValueError, match="layout world 32 != trainer nodes 2"):
+        cmm.moe_step_time(cmm.QWEN3_30B_A3B, r["recipe"], cm.Cluster(trainer_nodes=2), lay)
