@@ -44,6 +44,7 @@ from megatron_rl.engine.bodies import (
     WeightsByNameBody,
     validation_text,
 )
+from megatron_rl.engine.moe import encode_routed_experts
 from megatron_rl.engine.sampling import SamplingParams, parse_sampling_params
 from megatron_rl.weight_sync.session import ModelUpdateLock, SessionError, UpdateSession
 from megatron_rl.weight_sync.buckets import dtype_name
@@ -241,14 +242,20 @@ class _Prompt:
     rid: str
     return_logprob: bool = False
     logprob_start_len: int = -1
+    return_routed_experts: bool = False
+    routed_start: int = 0
 
 
-async def run_requests(state: ServerState, prompts: list[_Prompt]) -> list[dict]:
-    """Generate every prompt under the model-update read lock; one SGLang answer dict per prompt, in order.
+async def run_requests(state: ServerState, prompts: list[_Prompt], *, raw: bool = False) -> list:
+    """Generate every prompt under the model-update read lock; one SGLang answer dict per prompt, in
+    order (``raw``: the finished engine ``Request`` objects instead).
 
     Raises:
         RequestError: a prompt the engine refuses (too long, ids outside the vocabulary).
     """
+    if any(p.return_routed_experts for p in prompts) and not state.engine.routers.supported:
+        raise RequestError({"error": f"return_routed_experts: the model ({type(state.engine.model).__name__}) has no "
+                                     "Mixture-of-Experts router"})
     loop = asyncio.get_running_loop()
     futures = []
     reqs = []
@@ -260,7 +267,8 @@ async def run_requests(state: ServerState, prompts: list[_Prompt]) -> list[dict]
 
         reqs.append(GenRequest(rid=p.rid, prompt_ids=list(p.prompt), params=p.params, return_logprob=p.return_logprob,
                                logprob_start_len=p.logprob_start_len,
-                               generator=state.engine.new_generator(p.params.sampling_seed), on_done=on_done))
+                               generator=state.engine.new_generator(p.params.sampling_seed), on_done=on_done,
+                               return_routed_experts=p.return_routed_experts, routed_start=p.routed_start))
         futures.append(fut)
     await state.lock.acquire_read()
     try:
@@ -269,11 +277,16 @@ async def run_requests(state: ServerState, prompts: list[_Prompt]) -> list[dict]
         done = await asyncio.gather(*futures)
     finally:
         await state.lock.release_read()
-    return [response_of(r) for r in done]
+    return list(done) if raw else [response_of(r) for r in done]
 
 
-def response_of(req: GenRequest) -> dict:
-    """SGLang's ``/generate`` answer for one finished request: ``{"output_ids", "meta_info"}``."""
+def response_of(req: GenRequest, *, routed: bool = True) -> dict:
+    """SGLang's ``/generate`` answer for one finished request: ``{"output_ids", "meta_info"}``.
+
+    With ``return_routed_experts``, ``meta_info.routed_experts`` is SGLang 0.5.23's encoding of the
+    routing (``megatron_rl.engine.moe.encode_routed_experts``): base64 of int32 [T, L, K], T = prompt +
+    completion - 1 - ``routed_experts_start_len``; absent when no forward processed the request (aborted
+    while queued) and when ``routed`` is False (the vLLM dialect encodes it its own way)."""
     meta: dict[str, Any] = {
         "id": req.rid,
         "finish_reason": req.finish_reason,
@@ -296,6 +309,9 @@ def response_of(req: GenRequest) -> dict:
             meta["input_token_logprobs"] = [
                 [lp, tok, None] for lp, tok in zip(req.input_logprobs, req.prompt_ids[start:])
             ]
+    rows = req.routed_experts() if routed else None
+    if rows is not None:  # SGLang 0.5.23: base64 of int32 [prompt + completion - 1 - start, L, K]
+        meta["routed_experts"] = encode_routed_experts(rows)
     return {"output_ids": list(req.output_ids), "meta_info": meta}
 
 
@@ -366,6 +382,11 @@ def parse_generate(raw: bytes) -> tuple[bool, list[_Prompt]]:
         if isinstance(body.rid, list):
             raise RequestError({"error": "rid must be a string for a single prompt"})
         rids = [body.rid]
+    short = [len(p) for p in prompts if body.return_routed_experts and body.routed_experts_start_len > len(p)]
+    if body.routed_experts_start_len < 0 or short:
+        raise RequestError({"error": f"routed_experts_start_len={body.routed_experts_start_len} must be in [0, "
+                                     f"{min(short) if short else 'the number of input tokens'}] (the number of "
+                                     "input tokens)"})
     rls = _per_prompt(body.return_logprob, k, "return_logprob")
     sls = _per_prompt(body.logprob_start_len, k, "logprob_start_len")
     out = []
@@ -375,7 +396,8 @@ def parse_generate(raw: bytes) -> tuple[bool, list[_Prompt]]:
             seed = None if p.sampling_seed is None else p.sampling_seed + j
             out.append(_Prompt(prompt=prompt, params=SamplingParams(**{**p.__dict__, "n": 1, "sampling_seed": seed}),
                                rid=base if p.n == 1 else f"{base}_{j}", return_logprob=bool(rl),
-                               logprob_start_len=int(sl)))
+                               logprob_start_len=int(sl), return_routed_experts=body.return_routed_experts,
+                               routed_start=body.routed_experts_start_len))
     return batch, out
 
 

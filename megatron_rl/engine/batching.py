@@ -15,6 +15,14 @@ The weights are only written between decoding steps (``GenerationEngine.model_lo
 runs from the first update call of a weight-update session to its end (``hold`` / ``release_hold``):
 a multi-bucket update is never seen half applied. Every request records the weight version each of its tokens was sampled
 under (``Request.version_spans``; the prefill counts toward the first token's version).
+
+Mixture-of-Experts models (``megatron_rl.engine.moe``): weight updates take the per-expert HF names
+(``...mlp.experts.E.{gate,up,down}_proj.weight``) and write them into transformers' fused in-memory
+experts; a request with ``return_routed_experts`` records, for every position the engine feeds
+through the model (prompt, then each generated token but the last), the top-k expert ids of every
+layer's router (``Request.routed``), from the forward that processed it: a retracted request's
+recomputation overwrites its earlier positions, as SGLang's capture buffer would. The hooks are
+armed only for forwards that hold such a request.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from typing import Any
 import torch
 
 from megatron_rl.engine.bodies import RequestError
+from megatron_rl.engine.moe import ExpertViews, RouterCapture
 from megatron_rl.engine.sampling import SamplingParams, is_plain, sample_plain_rows, sample_token
 
 logger = logging.getLogger(__name__)
@@ -63,6 +72,24 @@ class Request:
     created_s: float = field(default_factory=time.monotonic)
     stop_ids: frozenset[int] | None = None
     """The ids that end this request (set by the engine on its first token)."""
+    return_routed_experts: bool = False
+    """Record the routed experts of every position processed (SGLang's ``return_routed_experts``)."""
+    routed_start: int = 0
+    """First position reported (SGLang's ``routed_experts_start_len``, 0 <= it <= prompt length)."""
+    routed: torch.Tensor | None = None
+    """[capacity, L, K] int32: row t = the top-k expert ids, per MoE layer, of position t of
+    prompt + output as the engine processed it; rows ``[0, routed_len)`` are written (allocated
+    by the first prefill that holds the request, with room for prompt + ``max_new_tokens``)."""
+    routed_len: int = 0
+    """Positions of ``routed`` written: prompt + output - 1 once a token was made, 0 before any forward."""
+
+    def routed_experts(self) -> torch.Tensor | None:
+        """What the answer reports: rows ``[routed_start, prompt + output - 1)`` of ``routed``,
+        [T, L, K] int32; None when routing was not asked for or no forward processed the request."""
+        if not self.return_routed_experts or self.routed is None or self.routed_len == 0:
+            return None
+        end = min(self.routed_len, max(len(self.prompt_ids) + len(self.output_ids) - 1, 0))
+        return self.routed[min(self.routed_start, end) : end]
 
     def note_token(self, version: str) -> None:
         """Count the token just appended to ``output_ids`` as sampled under ``version``."""
@@ -140,6 +167,9 @@ class GenerationEngine:
         self._seed_rng = random.Random(random_seed)
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         self._params = dict(model.state_dict(keep_vars=True))
+        self._experts = ExpertViews(self._params)
+        self.routers = RouterCapture(model)
+        """The MoE routers' capture hooks (``routers.supported``: whether routing can be returned)."""
         from transformers import DynamicCache
         from transformers.cache_utils import DynamicLayer
 
@@ -171,6 +201,12 @@ class GenerationEngine:
         bad = [t for t in req.prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise RequestError({"error": f"input_ids contain ids outside [0, {self.vocab_size}): {bad[:5]}"})
+        if req.return_routed_experts and not self.routers.supported:
+            raise RequestError({"error": f"return_routed_experts: the model ({type(self.model).__name__}) has no "
+                                         "Mixture-of-Experts router"})
+        if req.return_routed_experts and not 0 <= req.routed_start <= len(req.prompt_ids):
+            raise RequestError({"error": f"routed_experts_start_len={req.routed_start} must be in [0, "
+                                         f"{len(req.prompt_ids)}] (the number of input tokens)"})
         with self._cv:
             self._queue.append(req)
             self._cv.notify_all()
@@ -262,48 +298,73 @@ class GenerationEngine:
         with self._cv:
             return (len(self._batch.reqs) if self._batch else 0), len(self._queue)
 
+    def _target(self, name: str) -> torch.Tensor | None:
+        """The tensor ``name`` writes: a parameter (or persistent buffer) by its in-memory HF name,
+        or a per-expert HF name's view of its fused parameter (``ExpertViews``); None if unknown."""
+        p = self._params.get(name)
+        return p if p is not None else self._experts.view(name)
+
+    def weight_names(self) -> list[str]:
+        """The HF names a complete weight update sends: the in-memory names with fused experts
+        replaced by their per-expert names (as on disk and on the wire)."""
+        fused = self._experts.fused_names()
+        return [n for n in self._params if n not in fused] + self._experts.names()
+
+    def weight_units(self, name: str) -> list:
+        """What writing ``name`` rewrites, as hashable keys: ``id`` of the parameter (tied names share
+        one), or ``(id(fused parameter), expert, part)`` per expert part; [] for an unknown name."""
+        units = self._experts.units(name)
+        if units is not None:
+            return units
+        p = self._params.get(name)
+        return [] if p is None else [id(p)]
+
     def load_weights(self, named_tensors: Sequence[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into the model, all or nothing.
 
-        Every name and shape is checked before any parameter is written; values are cast to
-        the parameter dtype by ``copy_``.
+        Names are the in-memory ones or, for Mixture-of-Experts layers, the per-expert names
+        (``...mlp.experts.E.{gate,up,down}_proj.weight``, written into the fused experts). Every
+        name and shape is checked before any parameter is written; values are cast to the
+        parameter dtype by ``copy_``.
 
         Raises:
             ValueError: an unknown name or a shape mismatch (nothing written).
         """
-        unknown = [n for n, _ in named_tensors if n not in self._params]
+        targets = [self._target(n) for n, _ in named_tensors]
+        unknown = [n for (n, _), t in zip(named_tensors, targets) if t is None]
         if unknown:
             raise ValueError(f"unknown parameter name(s) {unknown[:10]}{' ...' if len(unknown) > 10 else ''}")
         wrong = [
-            (n, list(t.shape), list(self._params[n].shape))
-            for n, t in named_tensors
-            if tuple(t.shape) != tuple(self._params[n].shape)
+            (n, list(t.shape), list(p.shape))
+            for (n, t), p in zip(named_tensors, targets)
+            if tuple(t.shape) != tuple(p.shape)
         ]
         if wrong:
             raise ValueError("shape mismatch (name, received, expected): " + ", ".join(map(str, wrong[:10])))
         with self.model_lock, torch.no_grad():
-            for name, tensor in named_tensors:
-                self._params[name].copy_(tensor)
+            for (_, tensor), p in zip(named_tensors, targets):
+                p.copy_(tensor)
 
     def direct_targets(self, names: Sequence[str], dtypes: Sequence[torch.dtype],
                        shapes: Sequence[Sequence[int]]) -> list[torch.Tensor] | None:
-        """The parameters named ``names`` (detached, sharing storage) when each one exists, is
-        contiguous and has exactly the given dtype and shape, and no name repeats, so one broadcast
-        per entry can land in place; None otherwise (the caller receives into a buffer and goes
-        through ``load_weights``, which validates and casts)."""
+        """The parameters named ``names`` (detached, sharing storage; a per-expert name gives its view
+        of the fused experts) when each one exists, is contiguous and has exactly the given dtype and
+        shape, and no name repeats, so one broadcast per entry can land in place; None otherwise (the
+        caller receives into a buffer and goes through ``load_weights``, which validates and casts)."""
         if len(set(names)) != len(names):
             return None
         out = []
         for name, dt, shape in zip(names, dtypes, shapes):
-            p = self._params.get(name)
+            p = self._target(name)
             if p is None or p.dtype != dt or list(p.shape) != [int(d) for d in shape] or not p.is_contiguous():
                 return None
             out.append(p.detach())
         return out
 
     def get_parameter(self, name: str) -> torch.Tensor | None:
-        """The parameter (or persistent buffer) named ``name`` in HF naming, or None."""
-        return self._params.get(name)
+        """The parameter (or persistent buffer) named ``name`` in HF naming, a per-expert name's view
+        of the fused experts, or None."""
+        return self._target(name)
 
     def close(self) -> None:
         """Stop the scheduler thread (requests in flight are aborted)."""
@@ -459,18 +520,34 @@ class GenerationEngine:
         a.reqs = a.reqs + b.reqs
         return a
 
-    def _forward(self, input_ids, attention_mask, position_ids, cache, logits_to_keep):
+    def _forward(self, input_ids, attention_mask, position_ids, cache, logits_to_keep, routed: bool = False):
+        """One model forward: ``(logits [B, kept, V] float32, routing)``; routing is the routers'
+        top-k of every input position, [B, S, L, K] int32 (S = ``input_ids.shape[1]``), when
+        ``routed``, else None."""
         if self.on_forward is not None:
             self.on_forward("prefill" if cache.get_seq_length() == 0 else "decode")
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=True,
-            logits_to_keep=logits_to_keep,
-            **{self._cache_kw: cache},
-        )
-        return out.logits.float()
+        if routed:
+            self.routers.arm()
+        try:
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+                **{self._cache_kw: cache},
+            )
+        except BaseException:
+            self.routers.disarm()
+            raise
+        routing = self.routers.collect(*input_ids.shape) if routed else None
+        return out.logits.float(), routing
+
+    def _alloc_routed(self, req: Request) -> None:
+        """Give ``req`` its routing buffer (room for prompt + ``max_new_tokens`` positions)."""
+        if req.routed is None:
+            cap = min(len(req.prompt_ids) + req.params.max_new_tokens, self.max_context_len) + 1
+            req.routed = torch.zeros(cap, self.routers.num_layers, self.routers.topk, dtype=torch.int32)
 
     def _prefill(self, reqs: list[Request]) -> list[tuple[Request, dict]]:
         from transformers import DynamicCache
@@ -489,11 +566,19 @@ class GenerationEngine:
             mask[i, length - len(s) :] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (U, L)
         want_input = any(r.return_logprob and r.logprob_start_len >= 0 and r.input_logprobs is None for r in reqs)
+        want_routed = any(r.return_routed_experts for r in reqs)
         cache = DynamicCache(config=self.model.config)
-        logits = self._forward(ids, mask, pos, cache, 0 if want_input else 1)  # (U, L or 1, V)
+        logits, routing = self._forward(ids, mask, pos, cache, 0 if want_input else 1, want_routed)  # (U, L or 1, V)
         if len(uniq) < len(seqs):
             cache.batch_select_indices(expand)
             logits, mask, pos = logits[expand], mask[expand], pos[expand]  # (B, ...)
+        if routing is not None:  # (U, L, layers, K): every position of prompt + output so far
+            for i, r in enumerate(reqs):
+                if r.return_routed_experts:
+                    self._alloc_routed(r)
+                    n = len(seqs[i])
+                    r.routed[:n] = routing[int(expand[i]), length - n :]
+                    r.routed_len = n
         if want_input:
             logp_all = torch.log_softmax(logits, dim=-1)  # (B, L, V)
             for i, r in enumerate(reqs):
@@ -520,8 +605,15 @@ class GenerationEngine:
         b = self._batch
         assert b is not None
         b.attention_mask = torch.cat([b.attention_mask, torch.ones(len(b.reqs), 1, dtype=torch.long)], dim=1)
-        logits = self._forward(b.next_input, b.attention_mask, b.next_pos[:, None], b.cache, 1)  # (B, 1, V)
+        want_routed = any(r.return_routed_experts for r in b.reqs)
+        logits, routing = self._forward(b.next_input, b.attention_mask, b.next_pos[:, None], b.cache, 1,
+                                        want_routed)  # (B, 1, V)
         b.next_pos = b.next_pos + 1
+        if routing is not None:  # (B, 1, layers, K): the position of each row's last output token
+            for i, r in enumerate(b.reqs):
+                if r.return_routed_experts and r.routed is not None and r.routed_len < r.routed.shape[0]:
+                    r.routed[r.routed_len] = routing[i, 0]
+                    r.routed_len += 1
         finished, remaining = self._sample_step(b, logits[:, -1, :])
         with self._cv:
             self._batch = remaining

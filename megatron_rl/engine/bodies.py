@@ -144,3 +144,7 @@ class GenerateBody(BaseModel):
     token_ids_logprob: Any = None
     return_text_in_logprobs: bool = False
     stream: bool = False
+    return_routed_experts: bool = False
+    """SGLang 0.5.23 (``GenerateReqInput``): answer ``meta_info.routed_experts`` (one flag for the whole batch)."""
+    routed_experts_start_len: int = 0
+    """SGLang 0.5.23: the first position reported (0 <= it <= the prompt's tokens)."""

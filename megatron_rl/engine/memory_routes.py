@@ -118,10 +118,10 @@ class MemoryState:
         self.kv_cache = "resident"
         self._shapes: dict[int, tuple[torch.Size, torch.dtype, torch.device, int]] = {}
         """id -> shape, dtype, device and data-pointer offset from a 64-byte boundary of each released parameter."""
-        self._stale: set[int] = set()
-        """ids of parameters resumed but not yet rewritten."""
-        self._names: dict[str, int] = {}
-        """HF name -> id of its parameter (tied weights share one)."""
+        self._stale: set = set()
+        """What was resumed but not yet rewritten, as `GenerationEngine.weight_units` keys: a parameter's
+        id (tied weights share one), or (id, expert, part) per part of a Mixture-of-Experts layer's
+        fused experts, which the trainer rewrites one expert at a time (per-expert HF names)."""
 
     def _params(self) -> dict[int, torch.nn.Parameter]:
         return {id(p): p for p in self.state.engine.model.parameters()}
@@ -150,7 +150,6 @@ class MemoryState:
         before, freed = rss_bytes(), 0
         if "weights" in tags and self.weights != "released":
             params = self._params()
-            self._names = {n: id(p) for n, p in self.state.engine.model.named_parameters(remove_duplicate=False)}
             with self.state.engine.model_lock, torch.no_grad():
                 for pid, p in params.items():
                     self._shapes[pid] = (p.shape, p.dtype, p.device, p.data_ptr() % 64)
@@ -177,7 +176,9 @@ class MemoryState:
                 for pid, p in params.items():
                     shape, dtype, device, offset = self._shapes[pid]
                     p.data = empty_at(shape, dtype, device, offset)  # the alignment it was loaded at
-            self._stale = set(params)
+            engine = self.state.engine
+            names = [n for n, _ in engine.model.named_parameters(remove_duplicate=False)]
+            self._stale = {u for n in names for u in engine.weight_units(n)}
             self.weights = "stale" if self._stale else "resident"
         if "kv_cache" in tags:
             self.kv_cache = "resident"
@@ -186,11 +187,12 @@ class MemoryState:
         return {"rss_before": before, "rss_after": after}
 
     def rewritten(self, names: list[str]) -> None:
-        """Mark the parameters named `names` (HF names) as rewritten; weights are resident again
-        once every resumed parameter was."""
+        """Mark the parameters named `names` (HF names: in-memory ones, or per-expert names of fused
+        experts) as rewritten; weights are resident again once every resumed parameter (every part
+        of fused experts) was."""
         if self.weights != "stale":
             return
-        self._stale -= {self._names[n] for n in names if n in self._names}
+        self._stale -= {u for n in names for u in self.state.engine.weight_units(n)}
         if not self._stale:
             self.weights = "resident"
 

@@ -54,6 +54,13 @@ def build_arg_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run every request in a batch of its own (results bitwise independent of other requests)",
     )
+    p.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="Mixture-of-Experts models: with --api-dialect vllm, answer every completion's routed experts "
+        "(vLLM's flag: choices[0].routed_experts); the sglang dialect answers them per request "
+        "(return_routed_experts) with or without it, as SGLang started with this flag does",
+    )
     p.add_argument("--attn-implementation", default="sdpa", choices=["sdpa", "eager"])
     p.add_argument(
         "--weight-sync-timeout-s",
@@ -193,6 +200,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         on_forward=forward_recorder(model),
         step_delay_s=step_delay_s(),
     )
+    if args.enable_return_routed_experts and not engine.routers.supported:
+        logger.warning("--enable-return-routed-experts: the model (%s) has no Mixture-of-Experts router; no "
+                       "routing will be returned", type(model).__name__)
     session = UpdateSession(engine, group_timeout_s=args.weight_sync_timeout_s, refused_calls=refused_update_calls(),
                             refused_by=FAULT_REFUSE_UPDATES_ENV)
     state = ServerState(engine=engine, session=session, model_path=args.model_path, dtype=torch_dtype, args=args)

@@ -7,7 +7,10 @@ vLLM's source files), so that ``VLLMClient`` and the trainer's whole vLLM path r
 
 Paths: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions`` (token-id prompts; answers
 ``choices[0].token_ids``, ``logprobs.token_logprobs``/``tokens`` as ``token_id:<id>``,
-``finish_reason`` stop|length|abort, ``stop_reason``, ``usage``), ``POST /pause?mode=abort|wait|keep``,
+``finish_reason`` stop|length|abort, ``stop_reason``, ``usage``, and with ``--enable-return-routed-experts``
+on a Mixture-of-Experts model ``choices[0].routed_experts``: base64 ``.npy`` of uint8/uint16
+[prompt + completion - 1 - ``routed_experts_prompt_start``, L, K], vLLM 0.33's encoding),
+``POST /pause?mode=abort|wait|keep``,
 ``POST /resume``, ``GET /is_paused``, ``POST /abort_requests``, ``POST /reset_prefix_cache``,
 ``GET /get_world_size``, ``GET /weight_info``, ``POST /update_weight_version``,
 ``POST /init_weight_transfer_engine``, ``POST /start_weight_update``,
@@ -47,12 +50,14 @@ from megatron_rl.engine.app import (
     open_session,
     pause_engine,
     receive_update,
+    response_of,
     resume_engine,
     run_requests,
     start_update,
     with_write_lock,
 )
 from megatron_rl.engine.bodies import RequestError, validation_text
+from megatron_rl.engine.moe import encode_routed_experts_npy
 from megatron_rl.engine.sampling import parse_sampling_params
 from megatron_rl.weight_sync.session import SessionError
 
@@ -101,6 +106,7 @@ class CompletionBody(BaseModel):
     request_id: str | None = None
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
+    routed_experts_prompt_start: int = Field(default=0, ge=0)
 
 
 class InitInfo(BaseModel):
@@ -178,8 +184,10 @@ def _sampling(body: CompletionBody):
 
 
 def completion_response(out: dict, *, request_id: str, model: str, stop_token_ids: list[int], eos: set[int],
-                        with_logprobs: bool) -> dict:
-    """vLLM's ``CompletionResponse`` for one finished request, from the engine's SGLang-shaped answer."""
+                        with_logprobs: bool, routed_experts: str | None = None) -> dict:
+    """vLLM's ``CompletionResponse`` for one finished request, from the engine's SGLang-shaped answer;
+    ``routed_experts`` is the choice's field as vLLM encodes it (``moe.encode_routed_experts_npy``;
+    None: the server runs without ``--enable-return-routed-experts`` or no forward ran)."""
     meta, ids = out["meta_info"], list(out["output_ids"])
     finish = meta["finish_reason"] or {}
     ftype, matched = finish.get("type"), finish.get("matched")
@@ -199,7 +207,8 @@ def completion_response(out: dict, *, request_id: str, model: str, stop_token_id
         "created": int(time.time()),
         "model": model,
         "choices": [{"index": 0, "text": "", "logprobs": logprobs, "finish_reason": ftype, "stop_reason": stop_reason,
-                     "token_ids": ids, "prompt_logprobs": None, "prompt_token_ids": None}],
+                     "token_ids": ids, "prompt_logprobs": None, "prompt_token_ids": None,
+                     "routed_experts": routed_experts}],
         "usage": {"prompt_tokens": meta["prompt_tokens"], "completion_tokens": meta["completion_tokens"],
                   "total_tokens": meta["prompt_tokens"] + meta["completion_tokens"]},
     }
@@ -276,13 +285,21 @@ def build_vllm_app(state: ServerState) -> FastAPI:
             return error("the weights were discarded by sleep level 2 and not reloaded since (case N13): "
                          "push every weight (and buffer) through the weight-transfer routes first", 409)
         request_id = body.request_id or f"{time.monotonic_ns():x}"
+        routed = bool(getattr(args, "enable_return_routed_experts", False)) and engine.routers.supported
+        if routed and body.routed_experts_prompt_start > len(body.prompt):
+            return error(f"routed_experts_prompt_start={body.routed_experts_prompt_start} is longer than the prompt "
+                         f"({len(body.prompt)} tokens)")
         prompt = _Prompt(prompt=list(body.prompt), params=params, rid=f"cmpl-{request_id}-0",
-                         return_logprob=body.logprobs is not None)
-        out = (await run_requests(state, [prompt]))[0]
+                         return_logprob=body.logprobs is not None, return_routed_experts=routed,
+                         routed_start=body.routed_experts_prompt_start if routed else 0)
+        gen = (await run_requests(state, [prompt], raw=True))[0]
+        out = response_of(gen, routed=False)
+        rows = gen.routed_experts()
         return JSONResponse(completion_response(
             out, request_id=request_id, model=body.model or state.model_path,
             stop_token_ids=list(body.stop_token_ids or []), eos=set(engine.eos_token_ids),
-            with_logprobs=body.logprobs is not None))
+            with_logprobs=body.logprobs is not None,
+            routed_experts=None if rows is None else encode_routed_experts_npy(rows, engine.routers.num_experts)))
 
     # ---- generation control ------------------------------------------------------------
 

@@ -26,12 +26,17 @@ import httpx
 
 from megatron_rl.errors import RolloutServerError
 from megatron_rl.rollout.engine import RolloutEngine, check_batch
-from megatron_rl.rollout.result import GenerateResult, StopReason, parse_weight_versions  # re-exported
+from megatron_rl.rollout.result import (  # re-exported
+    GenerateResult,
+    RoutedExpertsSpec,
+    StopReason,
+    parse_weight_versions,
+)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GenerateRequest", "GenerateResult", "HTTPEngineClient", "RolloutClient", "StopReason",
-           "parse_weight_versions"]
+__all__ = ["GenerateRequest", "GenerateResult", "HTTPEngineClient", "RolloutClient", "RoutedExpertsSpec",
+           "StopReason", "parse_weight_versions"]
 
 @dataclass(frozen=True)
 class GenerateRequest:
@@ -360,12 +365,16 @@ class RolloutClient(HTTPEngineClient):
         *,
         eos_token_ids: Iterable[int] | None = None,
         timeout_s: float | None = None,
+        routed_experts: RoutedExpertsSpec | None = None,
     ) -> GenerateResult:
         """Generate one response for ``input_ids`` ([prompt length] token ids).
 
         ``sampling_params`` uses SGLang's keys (``max_new_tokens``, ``temperature``, ``top_p``,
         ``top_k``, ``sampling_seed``, ``stop_token_ids``, ...; an unknown key is a 400 and raises).
         ``rid`` is the request id, usable with ``abort_request``. Must have ``n`` == 1.
+        ``routed_experts`` (the policy's MoE layout): ask for the routing (``return_routed_experts:
+        true``; SGLang must run with ``--enable-return-routed-experts``) and check it
+        (``GenerateResult.routed_experts``).
 
         Raises:
             RolloutServerError: HTTP error, timeout, or an inconsistent answer (see ``GenerateResult``).
@@ -381,6 +390,8 @@ class RolloutClient(HTTPEngineClient):
             "rid": rid,
             "return_logprob": return_logprob,
         }
+        if routed_experts is not None:
+            body["return_routed_experts"] = True
         data = self.generate_raw(body, timeout_s=timeout_s)
         try:
             if not isinstance(data, dict):
@@ -390,6 +401,7 @@ class RolloutClient(HTTPEngineClient):
                 stop_token_ids=sampling_params.get("stop_token_ids") or (),
                 eos_token_ids=eos_token_ids,
                 return_logprob=return_logprob,
+                routed_experts=routed_experts,
             )
         except RolloutServerError as e:
             raise _answered(e) from None
@@ -405,12 +417,14 @@ class RolloutClient(HTTPEngineClient):
         *,
         eos_token_ids: Iterable[int] | None = None,
         timeout_s: float | None = None,
+        routed_experts: RoutedExpertsSpec | None = None,
     ) -> list[GenerateResult]:
         """K responses in one ``POST /generate`` (SGLang's batch form: ``input_ids`` a list of K
         prompts, ``sampling_params`` and ``rid`` lists of K): entry k is ``input_ids[k]`` with
         ``sampling_params[k]`` (its own ``sampling_seed``) and request id ``rids[k]`` (each one
         abortable on its own). Returns the K results in entry order; the answer must be a list of K
-        objects whose ``meta_info.id`` are ``rids`` in order.
+        objects whose ``meta_info.id`` are ``rids`` in order. ``routed_experts``: as ``generate``
+        (SGLang's ``return_routed_experts`` is one flag for the whole batch).
 
         Raises:
             RolloutServerError: HTTP error, timeout, or an answer that is no such list (or an
@@ -429,6 +443,8 @@ class RolloutClient(HTTPEngineClient):
             "rid": list(rids),
             "return_logprob": return_logprob,
         }
+        if routed_experts is not None:
+            body["return_routed_experts"] = True
         data = self.generate_raw(body, timeout_s=timeout_s)
         eos = None if eos_token_ids is None else list(eos_token_ids)  # read once per entry below
         try:
@@ -437,7 +453,8 @@ class RolloutClient(HTTPEngineClient):
                                          f"{f' of {len(data)}' if isinstance(data, list) else ''} for a batch of {k}",
                                          body=data)
             out = [GenerateResult.from_sglang(d, stop_token_ids=sp.get("stop_token_ids") or (), eos_token_ids=eos,
-                                              return_logprob=return_logprob) for d, sp in zip(data, sampling_params)]
+                                              return_logprob=return_logprob, routed_experts=routed_experts)
+                   for d, sp in zip(data, sampling_params)]
             got = [r.rid for r in out]
             if got != list(rids):
                 raise RolloutServerError(f"/generate batch answer ids {got[:4]}... do not follow the rids "

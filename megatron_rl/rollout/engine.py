@@ -52,10 +52,12 @@ class RolloutEngine(abc.ABC):
 
     def generate_batch(self, input_ids: Sequence[list[int]], sampling_params: Sequence[dict[str, Any]],
                        rids: Sequence[str], return_logprob: bool = True, *,
-                       eos_token_ids: Iterable[int] | None = None, timeout_s: float | None = None) -> list:
+                       eos_token_ids: Iterable[int] | None = None, timeout_s: float | None = None,
+                       routed_experts=None) -> list:
         """`generate` for K prompts: entry k is `input_ids[k]` with `sampling_params[k]` and request
         id `rids[k]`; K `GenerateResult`s in that order. This default sends K `generate` calls side
         by side (engines with a batch call override it and set `supports_batch_generate`).
+        `routed_experts`: as `generate` (passed on only when set).
 
         Raises:
             ValueError: the three lists differ in length or are empty.
@@ -66,17 +68,24 @@ class RolloutEngine(abc.ABC):
         check_batch(input_ids, sampling_params, rids)
         k = len(input_ids)
         eos = None if eos_token_ids is None else list(eos_token_ids)
+        extra = {} if routed_experts is None else {"routed_experts": routed_experts}
         with ThreadPoolExecutor(max_workers=k, thread_name_prefix="generate-batch") as pool:
-            futures = [pool.submit(self.generate, ids, sp, rid, return_logprob, eos_token_ids=eos, timeout_s=timeout_s)
+            futures = [pool.submit(self.generate, ids, sp, rid, return_logprob, eos_token_ids=eos, timeout_s=timeout_s,
+                                   **extra)
                        for ids, sp, rid in zip(input_ids, sampling_params, rids)]
             return [f.result() for f in futures]
 
     @abc.abstractmethod
     def generate(self, input_ids: list[int], sampling_params: dict[str, Any], rid: str, return_logprob: bool = True,
-                 *, eos_token_ids: Iterable[int] | None = None, timeout_s: float | None = None):
+                 *, eos_token_ids: Iterable[int] | None = None, timeout_s: float | None = None,
+                 routed_experts=None):
         """Token ids in -> a `GenerateResult` (output ids, per-token log-probs, finish reason,
         weight version, and the per-token version spans where the engine reports them:
-        `GenerateResult.weight_versions`). `sampling_params["sampling_seed"]` seeds the request."""
+        `GenerateResult.weight_versions`). `sampling_params["sampling_seed"]` seeds the request.
+        `routed_experts` (a `megatron_rl.rollout.result.RoutedExpertsSpec`, Mixture-of-Experts
+        policies): also return the experts every processed position was routed to
+        (`GenerateResult.routed_experts`, checked against the spec); None: not asked for. Callers
+        pass it only when set, so engines without routing keep the narrower signature."""
 
     @abc.abstractmethod
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:

@@ -14,6 +14,15 @@ the manager's own over-sampling aborts stay dropped. Every response records the 
 versions its tokens came from (`Sample.weight_version_spans`, `megatron_rl.rollout.live`). A group
 with a member that failed for good (a server-side abort) is dropped as a whole, never returned
 short, and counted in `rollout/failed_groups`.
+
+Routed experts (Mixture-of-Experts policies with `actor.router_replay`; ALGORITHMS.md section 9):
+with a `RoutedExpertsSpec` every request asks the engine for its routing, and each `Sample` carries
+it (`Sample.routed_experts`, [prompt + response - 1, layers, top-k]). A partial rollout's parts
+keep the routing each had when the engine processed them (DESIGN.md "Directions: experts"): the
+continuation's request re-processes prompt + prefix under the new weights, but only its rows from
+the prefix's last token on (the one position the first part never fed back) are taken
+(`join_routing`); the prefix keeps the rows of the part that generated it, i.e. the routing its
+tokens' log-probs were computed with.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
+import numpy as np
 import torch
 
 from megatron_rl.algorithms.reward_shaping import overlong_penalty
@@ -80,6 +90,11 @@ class Sample:
     after the previous span's start. Empty when no version is known."""
     resubmissions: int = 0
     """Times the request was resubmitted after a pause or a staleness abort."""
+    routed_experts: np.ndarray | None = field(default=None, compare=False, repr=False)
+    """Mixture-of-Experts routing replay: [len(prompt_ids) + len(response_ids) - 1, layers, top-k]
+    int16 (`GenerateResult.routed_experts`): row t = the experts each layer routed position t of
+    prompt + response to in the engine (each part of a partial rollout as it was generated); None
+    when routing was not asked for. Not compared by `==`."""
 
     @property
     def truncated(self) -> bool:
@@ -144,6 +159,9 @@ class RolloutManager:
             (`rollout.partial_rollout`); False: from scratch.
         pause_timeout_s: how long a request aborted by a pause waits for the engines to continue
             before it counts as failed, seconds.
+        routed_experts: the policy's MoE layout (`RoutedExpertsSpec`) when every response must carry
+            the engine's routing (`actor.router_replay`); None (default): not asked for. Also set
+            later by `request_routed_experts`.
     """
 
     def __init__(
@@ -163,6 +181,7 @@ class RolloutManager:
         eos_token_ids: Sequence[int] = (),
         partial_rollout: bool = False,
         pause_timeout_s: float = 3600.0,
+        routed_experts=None,
     ) -> None:
         from megatron_rl.rollout.fleet import ServerFleet
 
@@ -181,6 +200,8 @@ class RolloutManager:
         self.eos_token_ids = list(eos_token_ids) or None
         self.partial_rollout = partial_rollout
         self.pause_timeout_s = pause_timeout_s
+        self.routed_experts = routed_experts
+        """`RoutedExpertsSpec` of the routing every response carries, or None."""
         self.gate = self.fleet.gate
         self._own_aborts: set[str] = set()
         self._own_lock = threading.Lock()
@@ -189,6 +210,11 @@ class RolloutManager:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def request_routed_experts(self, spec) -> None:
+        """From now on ask every engine for the routing of every response and check it against
+        `spec` (a `RoutedExpertsSpec`: the policy's layers, top-k and experts); None stops asking."""
+        self.routed_experts = spec
 
     def prompt_ids(self, row: PromptRow) -> list[int]:
         """Token ids of a row's chat prompt (with the generation prompt); cached by prompt_key.
@@ -277,11 +303,12 @@ class RolloutManager:
         for attempt in range(2 * len(self.clients) + 2):
             index, epoch = self.fleet.pick(key)
             client = self.clients[index]
+            extra = {} if self.routed_experts is None else {"routed_experts": self.routed_experts}
             try:
                 if len(subs) == 1:
-                    return [client.generate(*subs[0], eos_token_ids=self.eos_token_ids)]
+                    return [client.generate(*subs[0], eos_token_ids=self.eos_token_ids, **extra)]
                 return client.generate_batch([s[0] for s in subs], [s[1] for s in subs], [s[2] for s in subs],
-                                             eos_token_ids=self.eos_token_ids)
+                                             eos_token_ids=self.eos_token_ids, **extra)
             except RolloutServerError as e:
                 if e.status_code is not None:
                     raise
@@ -359,7 +386,8 @@ class RolloutManager:
             active = []
             for e in again:
                 res = out[e]
-                keep = self.partial_rollout and not stale[e] and res.output_ids
+                keep = self.partial_rollout and not stale[e] and res.output_ids and (
+                    self.routed_experts is None or res.routed_experts is not None)  # no routing: from scratch
                 done[e] = res if keep else None
                 if done[e] is not None and len(done[e].output_ids) >= int(items[e][1]["max_new_tokens"]):
                     out[e] = dataclasses.replace(done[e], finish_type="length", stop_reason="length",
@@ -385,7 +413,7 @@ class RolloutManager:
 
     @staticmethod
     def _joined(done, res):
-        """`done` followed by its continuation `res` (ids, log-probs, spans concatenated)."""
+        """`done` followed by its continuation `res` (ids, log-probs, spans and routing concatenated)."""
         logprobs = None
         if done.output_logprobs is not None and res.output_logprobs is not None:
             logprobs = list(done.output_logprobs) + list(res.output_logprobs)
@@ -395,7 +423,7 @@ class RolloutManager:
         return dataclasses.replace(
             res, output_ids=list(done.output_ids) + list(res.output_ids), output_logprobs=logprobs,
             prompt_tokens=done.prompt_tokens, completion_tokens=made + res.completion_tokens, weight_versions=None,
-            version_spans=tuple(spans))
+            version_spans=tuple(spans), routed_experts=join_routing(done, res))
 
     def _own_abort(self, rid: str) -> bool:
         with self._own_lock:
@@ -558,10 +586,40 @@ class RolloutManager:
                         extra_info=dict(row.extra_info or {}),
                         weight_version_spans=list(res.version_spans),
                         resubmissions=res.resubmissions,
+                        routed_experts=res.routed_experts,
                     )
                 )
             groups.append(Group(prompt_key=row.prompt_key, group_uid=uid, samples=samples))
         return groups
+
+
+def join_routing(done, res) -> np.ndarray | None:
+    """The routing of a partial rollout `done` (prompt P, m tokens) continued by `res` (its request:
+    prompt P + m, c tokens), [P + m + c - 1, layers, top-k]: `done`'s rows for positions
+    [0, P + m - 1), as they were routed when those tokens were generated, then `res`'s rows from
+    position P + m - 1 (the prefix's last token, which `done` never fed back) on, as the
+    continuation routed them. A continuation without tokens (aborted again at once) adds nothing:
+    `done`'s rows (then P + m - 1 of them, as the joined result's counts say). None when `done`
+    carries no routing (not asked for), or when `res` is an abort that came without routing (the
+    manager then resubmits the response from scratch: its parts cannot all be replayed).
+
+    Raises:
+        ValueError: a finished continuation without routing, or routing that does not cover its
+            prompt (names the request).
+    """
+    if done.routed_experts is None:
+        return None
+    if not res.output_ids:
+        return done.routed_experts
+    start = done.prompt_tokens + len(done.output_ids) - 1
+    tail = res.routed_experts
+    if tail is None and res.finish_type == "abort":
+        return None
+    if tail is None or tail.shape[0] < start or tail.shape[1:] != done.routed_experts.shape[1:]:
+        raise ValueError(f"continuation {res.rid!r} of a partial rollout: routed_experts "
+                         f"{None if tail is None else list(tail.shape)} do not cover its prompt of {start + 1} tokens "
+                         f"with the first part's [layers, top-k] {list(done.routed_experts.shape[1:])}")
+    return np.concatenate([done.routed_experts[:start], tail[start:]], axis=0)
 
 
 def _resubmitted(results: list[list]) -> int:

@@ -6,7 +6,9 @@ The request and answer shapes are vLLM's own (docs/VLLM_API.md names the source 
 - generation: ``POST /v1/completions`` with the prompt as token ids, ``logprobs: 0`` (the sampled
   token's log-prob only), ``return_token_ids`` and ``return_tokens_as_token_ids`` (so every log-prob
   names its token id and can be checked against ``token_ids``), ``seed`` per request and
-  ``request_id`` = the rollout's rid (vLLM's engine id is then ``cmpl-<rid>-0``);
+  ``request_id`` = the rollout's rid (vLLM's engine id is then ``cmpl-<rid>-0``); with router
+  replay, ``choices[0].routed_experts`` (base64 ``.npy``; the server needs
+  ``--enable-return-routed-experts``, there is no request field) is read and checked;
 - control: ``POST /pause?mode=abort|wait|keep``, ``POST /resume``, ``POST /abort_requests``
   (exact engine ids; this client keeps the ids in flight to abort by rid prefix as SGLang does),
   ``POST /reset_prefix_cache`` (answers ``{"success": bool}``), ``GET /health``, ``GET /get_world_size``,
@@ -43,6 +45,7 @@ from typing import Any, Literal
 
 from megatron_rl.errors import RolloutServerError
 from megatron_rl.rollout.client import GenerateResult, HTTPEngineClient, StopReason
+from megatron_rl.rollout.result import RoutedExpertsSpec, decode_npy_routed_experts, routed_experts_of
 
 logger = logging.getLogger(__name__)
 
@@ -160,15 +163,21 @@ def _token_id(token: Any, what: str, body: Any) -> int:
 
 
 def result_from_vllm(response: Mapping[str, Any], *, rid: str, stop_token_ids: Iterable[int] = (),
-                     eos_token_ids: Iterable[int] | None = None, return_logprob: bool = True) -> GenerateResult:
+                     eos_token_ids: Iterable[int] | None = None, return_logprob: bool = True,
+                     routed_experts: RoutedExpertsSpec | None = None) -> GenerateResult:
     """Build a `GenerateResult` from one ``/v1/completions`` answer (one choice) and check it.
 
     vLLM keeps the matched EOS / stop token id in ``token_ids``; ``stop_reason`` is that stop token
     id (``stop_token_ids``) or stop string, and null for EOS. Checks as ``GenerateResult.from_sglang``:
     ids, log-probs and ``usage.completion_tokens`` agree, and every log-prob names the id it follows.
+    ``routed_experts`` (the policy's MoE layout): ``choices[0].routed_experts`` (vLLM 0.33: base64
+    ``.npy``, uint8 / uint16 / int32 [prompt + completion - 1, layers, top-k]; the server needs
+    ``--enable-return-routed-experts``, there is no request field) must be there, but for an abort
+    before any token, and match it; None: ignored.
 
     Raises:
-        RolloutServerError: another shape than vLLM 0.33.x's, or an inconsistent answer.
+        RolloutServerError: another shape than vLLM 0.33.x's, an inconsistent answer, or the routing
+            asked for missing or not matching (``megatron_rl.rollout.result.check_routed_experts``).
     """
     what = f"/v1/completions answer for {rid!r}"
     try:
@@ -222,9 +231,13 @@ def result_from_vllm(response: Mapping[str, Any], *, rid: str, stop_token_ids: I
         raise RolloutServerError(f"{what} has finish_reason null (unfinished)", body=response)
     else:
         raise _shape_error(what, f"unknown finish_reason {finish!r}", response)
+    routed = routed_experts_of(choice.get("routed_experts"), routed_experts, decode=decode_npy_routed_experts,
+                               prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, finish_type=finish,
+                               what=what, response=response)
     return GenerateResult(rid=rid, output_ids=output_ids, output_logprobs=logprobs, finish_type=finish,
                           matched_stop=matched, stop_reason=reason, prompt_tokens=prompt_tokens,
-                          completion_tokens=completion_tokens, weight_version=None, abort_message=abort_message)
+                          completion_tokens=completion_tokens, weight_version=None, abort_message=abort_message,
+                          routed_experts=routed)
 
 
 def engine_request_id(rid: str) -> str:
@@ -303,9 +316,12 @@ class VLLMClient(HTTPEngineClient):
     # ---- generation --------------------------------------------------------------------
 
     def generate(self, input_ids: list[int], sampling_params: dict[str, Any], rid: str, return_logprob: bool = True,
-                 *, eos_token_ids: Iterable[int] | None = None, timeout_s: float | None = None) -> GenerateResult:
+                 *, eos_token_ids: Iterable[int] | None = None, timeout_s: float | None = None,
+                 routed_experts: RoutedExpertsSpec | None = None) -> GenerateResult:
         """``POST /v1/completions`` for one prompt of token ids (``sampling_params`` in SGLang's keys,
         mapped by ``completion_body``). ``rid`` is the request id ``abort_request`` takes.
+        ``routed_experts``: read and check ``choices[0].routed_experts`` (``result_from_vllm``); vLLM
+        has no request field for it (the server's ``--enable-return-routed-experts`` decides).
 
         Raises:
             RolloutServerError: HTTP error, timeout, or an answer in another shape or inconsistent.
@@ -324,7 +340,8 @@ class VLLMClient(HTTPEngineClient):
         if not isinstance(data, dict):
             raise _shape_error("/v1/completions", f"a {type(data).__name__}, not an object", data)
         return result_from_vllm(data, rid=rid, stop_token_ids=sampling_params.get("stop_token_ids") or (),
-                                eos_token_ids=eos_token_ids, return_logprob=return_logprob)
+                                eos_token_ids=eos_token_ids, return_logprob=return_logprob,
+                                routed_experts=routed_experts)
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         """``POST /abort_requests``: the requests of this client whose rid starts with ``rid`` (their

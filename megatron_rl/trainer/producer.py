@@ -3,13 +3,19 @@
 Draw prompts, sample `rollout.n` responses each, score them, filter groups (dynamic sampling),
 compute advantages (+ DAA), and build the step's `TrainBatch`. Its per-step state (groups kept so
 far, difficulty estimates, token counts) lives in fields of `_StepState`, one per step.
+
+With `actor.router_replay` (Mixture-of-Experts policies) the producer asks the rollout manager for
+the engines' routing of every response (`RoutedExpertsSpec` of the model's config) and passes each
+sample's routing into the batch (`TrainBatch.routed_experts` / `routed_valid`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -22,7 +28,48 @@ from megatron_rl.trainer.step_metrics import CHECKSUM_PRIME, token_checksum
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ProducedStep", "RolloutProducer", "sampling_params"]
+__all__ = ["ProducedStep", "RolloutProducer", "routed_experts_spec", "sample_routing", "sampling_params"]
+
+
+def routed_experts_spec(cfg):
+    """The `RoutedExpertsSpec` (layers, top-k, experts) of the policy when `actor.router_replay` is
+    on, read from `model.path`'s config.json; None when it is off.
+
+    Raises:
+        ValueError: router replay on a model whose config is not a Mixture-of-Experts one.
+    """
+    if not cfg.actor.router_replay:
+        return None
+    from megatron_rl.rollout.result import RoutedExpertsSpec
+
+    path = Path(cfg.model.path) / "config.json"
+    try:
+        hf_config = json.loads(path.read_text())
+    except OSError as e:
+        raise ValueError(f"actor.router_replay: cannot read the model's config {path}: {e}") from None
+    try:
+        return RoutedExpertsSpec.from_hf_config(hf_config)
+    except ValueError as e:
+        raise ValueError(f"actor.router_replay: {e}") from None
+
+
+def sample_routing(samples) -> list:
+    """Each sample's routing, [len(prompt) + len(response) - 1, L, K] int16, for `build_train_batch`.
+
+    Raises:
+        ValueError: a sample without routing, or with another number of positions (names its group
+            and prompt key).
+    """
+    out = []
+    for s in samples:
+        r = s.routed_experts
+        want = len(s.prompt_ids) + len(s.response_ids) - 1
+        if r is None or r.shape[0] != want:
+            raise ValueError(f"actor.router_replay: sample of group {s.group_uid} ({s.prompt_key}) has routed_experts "
+                             f"{None if r is None else list(r.shape)}, expected {want} positions (prompt "
+                             f"{len(s.prompt_ids)} + response {len(s.response_ids)} - 1)")
+        out.append(r)
+    return out
 
 
 def sampling_params(cfg) -> dict:
@@ -104,6 +151,10 @@ class RolloutProducer:
         if cfg.rollout.over_sampling_batch_size and not self.over_sampling:
             logger.warning("rollout.over_sampling_batch_size is ignored: it needs algorithm.filter_groups.enable and "
                            "rollout.deterministic=false (which groups finish first depends on timing)")
+        self.routed_experts = routed_experts_spec(cfg)
+        """`RoutedExpertsSpec` of the routing every sample carries (`actor.router_replay`), or None."""
+        if self.routed_experts is not None and getattr(manager, "routed_experts", None) is None:
+            manager.request_routed_experts(self.routed_experts)
 
     def keep(self, group) -> bool:
         """Dynamic sampling's keep rule (ALGORITHMS.md section 2) on the group's metric values."""
@@ -138,6 +189,7 @@ class RolloutProducer:
             advantages=adv.tolist(), rollout_logprobs=[s.rollout_logprobs for s in samples],
             trained=trained, pad_id=self.pad_id,
             pad_to_multiple_of=t.tensor_model_parallel_size if t.sequence_parallel else 1,
+            routed_experts=sample_routing(samples) if self.routed_experts is not None else None,
         )
         return ProducedStep(batch, samples, kept, ds_stats, daa_stats, st.timings, st.tokens, st.responses,
                             st.checksum, t_adv)
