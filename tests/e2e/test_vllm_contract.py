@@ -15,6 +15,12 @@ On CPU:
    ``NCCLWeightTransferInitInfo`` / ``NCCLWeightTransferUpdateInfo``, every dtype name resolves
    as the worker resolves it (``getattr(torch, name)``), and the trainer's NCCL dtype numbers
    are vLLM's ``ncclDataTypeEnum.from_torch``.
+3. Mixture-of-Experts (issue 29): the launcher's ``--enable-expert-parallel`` and
+   ``--enable-return-routed-experts`` parse with ``vllm serve``'s own parser; vLLM has no request
+   flag for routing (``routed_experts_prompt_start`` only), and a completion answer assembled by
+   ``OpenAIServingCompletion`` from an engine output with routing decodes in the client to the same
+   array (docs/VLLM_API.md 1b). Needs ``VLLM_TARGET_DEVICE=cpu`` on a machine without GPUs (set by
+   the test) for vLLM's argument parser.
 Not on CPU: ``ncclCommInitRank``, the warm-up all-reduce and the broadcasts. The last test does
 them against vLLM's worker-side ``stateless_init_process_group`` and needs 2 CUDA GPUs.
 """
@@ -192,3 +198,98 @@ def test_broadcast_reaches_vllms_worker_communicator():
         proc.kill()
     got = _result(subprocess.CompletedProcess(proc.args, proc.returncode, out.get("stdout", ""), out.get("stderr", "")))
     assert got == [float(x.double().sum()) for x in tensors]
+
+
+# ---- Mixture-of-Experts: expert parallelism and routed experts (issue 29; docs/VLLM_API.md 1b) ------------------
+
+CHECK_ROUTED = r'''
+import json, sys
+import numpy as np
+from vllm.entrypoints.common.cli_args import make_arg_parser
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.entrypoints.generate.base.protocol import RequestResponseMetadata
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+from vllm.logprobs import Logprob
+from vllm.outputs import CompletionOutput, RequestOutput
+
+data = json.load(sys.stdin)
+out = {}
+a = make_arg_parser(FlexibleArgumentParser()).parse_args(data["serve_args"])   # `vllm serve`'s own parser
+out["serve"] = {k: getattr(a, k) for k in ("model_tag", "tensor_parallel_size", "enable_expert_parallel",
+                                           "enable_return_routed_experts")}
+body = data["body"]
+fields = CompletionRequest.model_fields
+out["fields"] = {k: k in fields for k in ("routed_experts_prompt_start", "return_routed_experts")}
+req = CompletionRequest.model_validate(body)
+out["ignored"] = sorted(set(body) - fields.keys())
+start = CompletionRequest.model_validate({**body, "routed_experts_prompt_start": 3})
+out["prompt_start"] = [req.to_sampling_params(req.max_tokens, {}).routed_experts_prompt_start,
+                       start.to_sampling_params(start.max_tokens, {}).routed_experts_prompt_start]
+try:
+    CompletionRequest.model_validate({**body, "routed_experts_prompt_start": -1})
+    out["negative"] = "accepted"
+except Exception as e:
+    out["negative"] = type(e).__name__
+# the answer, assembled by vLLM's own serving code from an engine output carrying the routing
+serving = object.__new__(OpenAIServingCompletion)
+serving.enable_prompt_tokens_details = False
+serving.enable_per_request_metrics = False
+serving.system_fingerprint = None
+serving.return_tokens_as_token_ids = False
+ids = data["output_ids"]
+output = CompletionOutput(index=0, text="", token_ids=ids, cumulative_logprob=None,
+                          logprobs=[{t: Logprob(logprob=-0.5, rank=1, decoded_token=None)} for t in ids],
+                          finish_reason="length", stop_reason=None,
+                          routed_experts=np.asarray(data["routed"], dtype=data["dtype"]))
+engine_id = f"cmpl-{req.request_id}"
+final = RequestOutput(request_id=f"{engine_id}-0", prompt=None, prompt_token_ids=list(req.prompt),
+                      prompt_logprobs=None, outputs=[output], finished=True)
+resp = serving.request_output_to_completion_response([final], req, engine_id, 1, "Qwen/x", None,
+                                                     RequestResponseMetadata(request_id=engine_id))
+out["answer"] = json.loads(resp.model_dump_json())
+print("RESULT " + json.dumps(out))
+'''
+
+
+def test_moe_flags_and_routed_experts_answer_against_vllm():
+    """vLLM 0.33's own code: the `vllm serve` line of `build_vllm_command` for an MoE engine parses with
+    `--enable-expert-parallel` and `--enable-return-routed-experts` set; a completion body of `VLLMClient`
+    asking for routing passes `CompletionRequest` (vLLM has no request flag, only `routed_experts_prompt_start`,
+    >= 0, which reaches SamplingParams); the answer assembled by `OpenAIServingCompletion` from an engine output
+    carrying uint8 [prompt + output - 1, layers, top-k] routing (the capturer's dtype for <= 256 experts) is read
+    back by the client to the same array."""
+    import numpy as np
+
+    from megatron_rl.rollout.launcher import build_vllm_command
+    from megatron_rl.rollout.result import RoutedExpertsSpec
+    from megatron_rl.rollout.vllm_client import VLLMClient, result_from_vllm
+
+    spec = RoutedExpertsSpec(num_layers=3, topk=2, num_experts=8)
+    seen: list[dict] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content))
+        return httpx.Response(400, json={"error": "captured"})
+
+    c = VLLMClient("http://vllm", transport=httpx.MockTransport(handler), max_retries=0)
+    with pytest.raises(Exception):
+        c.generate([1, 2, 3, 4], {"max_new_tokens": 2, "sampling_seed": 1}, rid="r0", routed_experts=spec)
+    c.close()
+    cmd = build_vllm_command("/ckpt", python=VLLM_PYTHON, host="127.0.0.1", port=8000, tp_size=4,
+                             enable_expert_parallel=True, enable_return_routed_experts=True)
+    routed = (np.arange(5 * 3 * 2).reshape(5, 3, 2) % 8).astype(np.uint8)  # 4 prompt + 2 output - 1 positions
+    proc = subprocess.run([VLLM_PYTHON, "-c", CHECK_ROUTED], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "VLLM_TARGET_DEVICE": os.environ.get("VLLM_TARGET_DEVICE", "cpu")},
+                          input=json.dumps({"serve_args": cmd[4:], "body": seen[0], "output_ids": [11, 12],
+                                            "routed": routed.tolist(), "dtype": "uint8"}))
+    got = _result(proc)
+    assert got["serve"] == {"model_tag": "/ckpt", "tensor_parallel_size": 4, "enable_expert_parallel": True,
+                            "enable_return_routed_experts": True}
+    assert got["fields"] == {"routed_experts_prompt_start": True, "return_routed_experts": False}
+    assert got["ignored"] == [] and "return_routed_experts" not in seen[0]
+    assert got["prompt_start"] == [0, 3] and got["negative"] == "ValidationError"
+    choice = got["answer"]["choices"][0]
+    assert isinstance(choice["routed_experts"], str)
+    res = result_from_vllm(got["answer"], rid="r0", routed_experts=spec)
+    assert np.array_equal(res.routed_experts, routed) and res.routed_experts.shape == (5, 3, 2)
