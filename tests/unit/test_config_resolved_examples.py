@@ -16,7 +16,9 @@ tiny recipes set `rollout.pause_mode: in_place` (it acts only with `trainer.max_
 Changed since (issue 22): `actor.sequence_packing` (false) is new, and examples/tiny/grpo.yaml sets it,
 `actor.old_logprob_source: rollout`, `rollout.num_servers: 2` and `trainer.nproc_per_node: 2` (the TRL
 comparison's recipe); `trainer.attention_backend` (auto) is new, and grpo.yaml sets it to sdpa with
-`trainer.transformer_impl: local` and `weight_sync.load_format: flattened_bucket`."""
+`trainer.transformer_impl: local` and `weight_sync.load_format: flattened_bucket`. Added since (issue 29):
+`examples/qwen3-30b-a3b/dapo.yaml`, recorded with `_resolved`; it must stay the 32B dapo.yaml on the MoE model
+(`test_moe_dapo_is_dapo_on_qwen3_30b_a3b`)."""
 
 import json
 from pathlib import Path
@@ -41,7 +43,7 @@ def test_recipe_resolves_to_the_recorded_values(case):
 
 
 def test_every_example_recipe_is_recorded():
-    recipes = {str(p.relative_to(ROOT)) for d in ("tiny", "qwen2.5-32b", "qwen2.5-7b") for p in (ROOT / "examples" / d).glob("*.yaml")}
+    recipes = {str(p.relative_to(ROOT)) for d in ("tiny", "qwen2.5-32b", "qwen2.5-7b", "qwen3-30b-a3b") for p in (ROOT / "examples" / d).glob("*.yaml")}
     assert recipes <= set(FIXTURE)
 
 
@@ -74,3 +76,18 @@ def test_dapo_async_is_dapo_with_eta_1():
     assert async_["trainer.max_staleness"] == 1 and async_["rollout.partial_rollout"] is True
     assert async_["rollout.pause_mode"] == "abort"
     assert async_["algorithm.rollout_correction.mode"] == "auto" and async_["actor.old_logprob_source"] == "recompute"
+
+
+def test_moe_dapo_is_dapo_on_qwen3_30b_a3b():
+    """examples/qwen3-30b-a3b/dapo.yaml is a full copy of the 32B dapo.yaml (no recipe inheritance): it may
+    differ only in the model (its config.json), the MoE layout (TP 4, PP 1, EP 2), the engines' TP and
+    rollout routing replay (issue 29)."""
+    dense = _flat(_resolved("examples/qwen2.5-32b/dapo.yaml", []))
+    moe = _flat(_resolved("examples/qwen3-30b-a3b/dapo.yaml", []))
+    assert set(dense) == set(moe)
+    assert {k for k in dense if dense[k] != moe[k]} == {
+        "run_dir", "model.hf_config_path", "rollout.tp_size", "actor.router_replay",
+        "trainer.tensor_model_parallel_size", "trainer.pipeline_model_parallel_size",
+        "trainer.expert_model_parallel_size"}
+    assert moe["actor.router_replay"] is True and moe["trainer.expert_model_parallel_size"] == 2
+    assert moe["trainer.expert_tensor_parallel_size"] is None and moe["trainer.sequence_parallel"] is True
