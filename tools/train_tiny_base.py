@@ -10,6 +10,13 @@ Deterministic for a given seed and thread count (fp32, CPU). Writes to --out:
 model.safetensors, config.json, generation_config.json, the tokenizer files, eval_base.json.
 
     python tools/train_tiny_base.py --out examples/tiny/base_model
+    python tools/train_tiny_base.py --arch qwen3_moe --out examples/tiny/moe_base_model
+
+``--arch qwen3_moe`` makes the Mixture-of-Experts miniature (issue 29): Qwen3-MoE attention (q/k
+norms, no bias), every layer an MoE block of ``--experts`` SwiGLU experts of width ``--moe-ffn``,
+top-``--topk`` routing with renormalised gates (``norm_topk_prob``), no shared expert, untied head
+(as Qwen3-30B-A3B). The router's load-balancing loss (``router_aux_loss_coef``) keeps the experts
+in use during SFT.
 """
 
 from __future__ import annotations
@@ -39,8 +46,22 @@ DEFAULT_NOISE = {1: 0.1, 2: 0.3, 3: 0.45, 4: 0.6, 5: 0.7}
 
 
 def model_config(vocab_size: int, eos_id: int, pad_id: int, args: argparse.Namespace):
-    """The tiny Qwen2 config (GQA, qkv bias, tied embeddings)."""
+    """The tiny Qwen2 config (GQA, qkv bias, tied embeddings), or with ``--arch qwen3_moe`` the tiny
+    Qwen3-MoE one (see the module docstring)."""
     from transformers import Qwen2Config
+
+    if args.arch == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(
+            vocab_size=vocab_size, hidden_size=args.hidden, intermediate_size=args.hidden * 4,
+            moe_intermediate_size=args.moe_ffn, num_experts=args.experts, num_experts_per_tok=args.topk,
+            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], output_router_logits=True,
+            router_aux_loss_coef=0.01, num_hidden_layers=args.layers, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=args.hidden // 4, max_position_embeddings=256, rope_theta=10000.0,
+            rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False, attention_dropout=0.0,
+            attention_bias=False, bos_token_id=None, eos_token_id=eos_id, pad_token_id=pad_id,
+        )
 
     return Qwen2Config(
         vocab_size=vocab_size,
@@ -217,6 +238,10 @@ def print_table(ev: dict, n_samples: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="examples/tiny/base_model")
+    ap.add_argument("--arch", default="qwen2", choices=["qwen2", "qwen3_moe"])
+    ap.add_argument("--experts", type=int, default=8, help="qwen3_moe: experts a layer")
+    ap.add_argument("--topk", type=int, default=2, help="qwen3_moe: experts a token")
+    ap.add_argument("--moe-ffn", type=int, default=128, help="qwen3_moe: one expert's FFN width")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--task-seed", type=int, default=1234, help="seed of tiny_task.build_splits")
     ap.add_argument("--hidden", type=int, default=128)
@@ -233,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
-    from transformers import GenerationConfig, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -245,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     logger.info("%d SFT examples", len(examples))
 
     cfg = model_config(128, tokenizer.eos_token_id, tokenizer.pad_token_id, args)
-    model = Qwen2ForCausalLM(cfg)
+    model = AutoModelForCausalLM.from_config(cfg)
     n_params = sum(p.numel() for p in model.parameters())
     logger.info("model: %d parameters", n_params)
     stats = train(model, examples, args, tokenizer.pad_token_id)
@@ -253,6 +278,9 @@ def main(argv: list[str] | None = None) -> int:
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         do_sample=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=64,
     )
+    if args.arch == "qwen3_moe":
+        model.config.output_router_logits = False  # the aux loss was for SFT; RL sets its own (trainer.moe_*)
+        model.config.router_aux_loss_coef = 0.0
     model.save_pretrained(str(out), safe_serialization=True)
     (out / "model.safetensors").chmod(0o644)  # safetensors writes 0600; the file is committed
     save_tiny_tokenizer(out)  # save_pretrained must not leave a different tokenizer behind

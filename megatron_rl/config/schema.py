@@ -15,20 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from megatron_rl.algorithms.options import (
-    ADV_ESTIMATOR_SPECS,
-    CONDITIONAL_REMOVED,
-    DAA_DIFFICULTY_MODES,
-    DAA_FACTOR_OPTIONS,
-    KL_TYPE_NAMES,
-    LOSS_AGG_MODE_NAMES,
-    OLD_LOGPROB_SOURCES,
-    POLICY_LOSS_OPTIONS,
-    ROLLOUT_CORRECTION_OPTIONS,
-    check_choice,
-    check_positive,
-    option_bases,
-)
+from megatron_rl.algorithms.options import (ADV_ESTIMATOR_SPECS, CONDITIONAL_REMOVED, DAA_DIFFICULTY_MODES,
+                                            DAA_FACTOR_OPTIONS, KL_TYPE_NAMES, LOSS_AGG_MODE_NAMES,
+                                            OLD_LOGPROB_SOURCES, POLICY_LOSS_OPTIONS, ROLLOUT_CORRECTION_OPTIONS,
+                                            check_choice, check_positive, option_bases)
+from megatron_rl.config.moe import ExpertOptions
 from megatron_rl.errors import ConfigError
 
 
@@ -318,11 +309,9 @@ class ActorConfig(*option_bases(*(POLICY_LOSS_OPTIONS.get(n) for n in POLICY_LOS
     optim: OptimConfig = field(default_factory=OptimConfig)
     """Optimizer and learning-rate schedule."""
     router_replay: bool = False
-    """Rollout routing replay (R3, arXiv 2510.11370; ALGORITHMS.md section 9), Mixture-of-Experts
-    policies only: the trainer's routers take, for every token and MoE layer, the top-k experts the
-    rollout engine used (megatron-core's `RouterReplay`) in the old-log-prob pass and every PPO
-    update; gate probabilities stay the router's own (it is still trained). The reference model is
-    not replayed. Default false; on in the MoE recipes. slime: `--use-rollout-routing-replay`."""
+    """Rollout routing replay (R3, arXiv 2510.11370; ALGORITHMS.md 9; MoE only): the routers take the
+    engine's top-k experts per token and layer (megatron-core's RouterReplay) in the old-log-prob pass
+    and every update; gates stay the router's own. Default false. slime: --use-rollout-routing-replay."""
 
     def __post_init__(self) -> None:
         super().__post_init__()  # the registered policy losses' option checks
@@ -555,7 +544,7 @@ class WeightSyncConfig:
 
 
 @dataclass(kw_only=True)
-class TrainerConfig:
+class TrainerConfig(ExpertOptions):
     total_training_steps: int = 10
     """RL steps (verl's name)."""
     max_generated_tokens: int = 0
@@ -595,20 +584,6 @@ class TrainerConfig:
     sequence_parallel: bool = False
     """Megatron sequence parallelism (needs TP > 1 and Transformer Engine). Default false.
     verl: `actor_rollout_ref.actor.megatron.sequence_parallel`."""
-    expert_model_parallel_size: int = 1
-    """Expert-parallel ranks (megatron-core's name; Mixture-of-Experts models): each rank holds
-    num_experts / EP experts of every MoE layer, tokens travel to them by all-to-all. Must divide
-    the experts; TP x ... layout: expert TP x EP x expert-DP x PP = world. Default 1.
-    verl: `actor_rollout_ref.actor.megatron.expert_model_parallel_size`."""
-    expert_tensor_parallel_size: Optional[int] = None
-    """Tensor parallelism inside each expert (megatron-core's name); None (default) = the TP size.
-    verl: `actor_rollout_ref.actor.megatron.expert_tensor_parallel_size`."""
-    moe_router_load_balancing_type: str = "none"
-    """none (default) | aux_loss | seq_aux_loss | global_aux_loss: the MoE load-balancing loss
-    (Megatron's --moe-router-load-balancing-type). Computed from the router's own scores, also
-    under routing replay (ALGORITHMS.md section 9)."""
-    moe_aux_loss_coeff: float = 0.0
-    """Coefficient of the load-balancing loss, >= 0 (Megatron's --moe-aux-loss-coeff). Default 0."""
     use_distributed_optimizer: bool = False
     """Shard the optimizer state over data-parallel ranks (megatron-core's distributed optimizer).
     Default false. verl: `actor_rollout_ref.actor.megatron.use_distributed_optimizer`."""
@@ -657,12 +632,9 @@ class TrainerConfig:
         _positive("trainer", "save_interval", self.save_interval, allow_zero=True)
         _positive("trainer", "max_staleness", self.max_staleness, allow_zero=True)
         _positive("trainer", "keep_last_n_checkpoints", self.keep_last_n_checkpoints)
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size", "nproc_per_node",
-                     "expert_model_parallel_size", "expert_tensor_parallel_size"):
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size", "nproc_per_node"):
             _positive("trainer", name, getattr(self, name))
-        _choice("trainer", "moe_router_load_balancing_type", self.moe_router_load_balancing_type,
-                ("none", "aux_loss", "seq_aux_loss", "global_aux_loss"))
-        _positive("trainer", "moe_aux_loss_coeff", self.moe_aux_loss_coeff, allow_zero=True)
+        self._check_expert_options()  # config/moe.py
         _choice("trainer", "precision", self.precision, ("fp32", "bf16"))
         _choice("trainer", "resume_mode", self.resume_mode, ("auto", "disable"))
         _positive("trainer", "num_threads", self.num_threads, allow_zero=True)

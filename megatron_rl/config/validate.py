@@ -223,7 +223,7 @@ def _check_model_layout(cfg: Config) -> Optional[dict]:
         raise ConfigError(f"trainer.expert_model_parallel_size={ep} / actor.router_replay={cfg.actor.router_replay} "
                           f"need a Mixture-of-Experts model; {src} has model_type {hf.get('model_type')!r}")
     if moe:
-        experts = hf.get("num_experts")
+        experts = hf.get("num_experts") or hf.get("num_local_experts")
         if experts and experts % ep:
             raise ConfigError(f"trainer.expert_model_parallel_size {ep} must divide num_experts {experts} ({src})")
         etp = t.expert_tensor_parallel_size or tp

@@ -50,7 +50,8 @@ class ModelSpec:
 class MoESpec:
     """Mixture-of-Experts facts of an HF config (Qwen3-MoE: every layer is an MoE layer).
 
-    HF keys: ``num_experts``, ``num_experts_per_tok``, ``moe_intermediate_size``, ``norm_topk_prob``.
+    HF keys: ``num_experts`` (``num_local_experts`` as transformers >= 5 saves it),
+    ``num_experts_per_tok``, ``moe_intermediate_size``, ``norm_topk_prob``.
     """
 
     num_experts: int
@@ -91,7 +92,11 @@ def moe_spec(hf_config: Mapping[str, Any]) -> MoESpec | None:
                          "dense-first layers are not supported yet")
     if hf_config.get("scoring_func", "softmax") != "softmax":
         raise ValueError(f"unsupported HF config key 'scoring_func'={hf_config['scoring_func']!r}: only 'softmax'")
-    num_experts = int(_require(hf_config, "num_experts"))
+    # transformers >= 5 writes the expert count as num_local_experts (Qwen3MoeConfig's attribute map)
+    if hf_config.get("num_experts") is None and hf_config.get("num_local_experts") is not None:
+        num_experts = int(hf_config["num_local_experts"])
+    else:
+        num_experts = int(_require(hf_config, "num_experts"))
     topk = int(_require(hf_config, "num_experts_per_tok"))
     if num_experts < 1 or not 1 <= topk <= num_experts:
         raise ValueError(f"HF config keys 'num_experts'={num_experts}, 'num_experts_per_tok'={topk}: need "

@@ -186,9 +186,7 @@ def _train_step(run, batch, produced, t_step: float) -> dict:
         run.colocation.before_train()
     t_lp = time.perf_counter()
     mini_seqs = a.ppo_mini_batch_size * run.cfg.rollout.n
-    run.policy.routing_metrics = {}
     batch.old_logprobs = run.policy.old_logprobs(batch, mini_batch_sequences=mini_seqs)  # actor.old_logprob_source
-    routing = run.policy.routing_metrics  # MoE: train/router_mismatch* of that pass (ALGORITHMS.md 9)
     if run.ref_model is not None:
         batch.ref_logprobs = run.policy.compute_logprobs(batch, model=run.ref_model, mini_batch_sequences=mini_seqs)
     t_upd = time.perf_counter()
@@ -204,10 +202,9 @@ def _train_step(run, batch, produced, t_step: float) -> dict:
     if run.ahead is not None:  # admits the next step's generation; frees a waiting re-sync
         run.ahead.published(run.weight_version)
     t_end = time.perf_counter()
-    t_adv = produced.advantage_started if produced is not None else t_step
-    return {"advantage": t_lp - t_adv, "old_logprob": t_upd - t_lp, "update": t_sync - t_upd,
-            "weight_sync": t_end - t_sync, "step": t_end - t_step, "history": history, "sync": sync_metrics,
-            "routing": routing}
+    t_adv, sync = produced.advantage_started if produced is not None else t_step, sync_metrics
+    return {"advantage": t_lp - t_adv, "old_logprob": t_upd - t_lp, "update": t_sync - t_upd, "history": history,
+            "weight_sync": t_end - t_sync, "step": t_end - t_step, "sync": {**sync, **run.policy.routing_metrics}}
 
 
 def _record(run, step: int, produced, batch, times: dict, progress, ev: dict) -> None:
@@ -217,7 +214,6 @@ def _record(run, step: int, produced, batch, times: dict, progress, ev: dict) ->
 
     cfg = run.cfg
     m = step_metrics(produced, batch, times["history"], times, times["sync"], run.weight_version, run.total_tokens)
-    m.update(times.get("routing") or {})
     if ev:
         m.update(eval_metric_row(ev))
     run.writer.write(step, m)

@@ -169,7 +169,7 @@ def test_moe_checkpoints_load_and_export_across_expert_parallel_sizes(megatron_w
 def test_an_unsupported_tensor_is_refused_by_key(megatron_world1, tmp_path, monkeypatch):
     """A model tensor the HF mapping does not know is refused by its key before anything is written
     (import) or exported (export)."""
-    import megatron_rl.models.hf_weights as hw
+    import megatron_rl.models.hf_sharded as hw
 
     _hf_folder(tmp_path / "hf", tie=False, seed=1)
     import_from_hf(tmp_path / "hf", tmp_path / "mcore")

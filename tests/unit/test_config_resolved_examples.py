@@ -16,9 +16,13 @@ tiny recipes set `rollout.pause_mode: in_place` (it acts only with `trainer.max_
 Changed since (issue 22): `actor.sequence_packing` (false) is new, and examples/tiny/grpo.yaml sets it,
 `actor.old_logprob_source: rollout`, `rollout.num_servers: 2` and `trainer.nproc_per_node: 2` (the TRL
 comparison's recipe); `trainer.attention_backend` (auto) is new, and grpo.yaml sets it to sdpa with
-`trainer.transformer_impl: local` and `weight_sync.load_format: flattened_bucket`. Added since (issue 29):
-`examples/qwen3-30b-a3b/dapo.yaml`, recorded with `_resolved`; it must stay the 32B dapo.yaml on the MoE model
-(`test_moe_dapo_is_dapo_on_qwen3_30b_a3b`)."""
+`trainer.transformer_impl: local` and `weight_sync.load_format: flattened_bucket`. New since (issue 29,
+Mixture-of-Experts): `actor.router_replay` (false), `trainer.expert_model_parallel_size` (1),
+`trainer.expert_tensor_parallel_size` (None = TP), `trainer.moe_router_load_balancing_type` (none),
+`trainer.moe_aux_loss_coeff` (0.0). Added since (issue 29): `examples/qwen3-30b-a3b/dapo.yaml`, recorded with
+`_resolved`; it must stay the 32B dapo.yaml on the MoE model (`test_moe_dapo_is_dapo_on_qwen3_30b_a3b`).
+And `examples/tiny/moe-dapo.yaml`, recorded with `_resolved`; it must stay the tiny dapo.yaml on the
+tiny MoE model with replay (`test_tiny_moe_dapo_is_dapo_on_the_moe_model_with_replay`)."""
 
 import json
 from pathlib import Path
@@ -91,3 +95,12 @@ def test_moe_dapo_is_dapo_on_qwen3_30b_a3b():
         "trainer.expert_model_parallel_size"}
     assert moe["actor.router_replay"] is True and moe["trainer.expert_model_parallel_size"] == 2
     assert moe["trainer.expert_tensor_parallel_size"] is None and moe["trainer.sequence_parallel"] is True
+
+
+def test_tiny_moe_dapo_is_dapo_on_the_moe_model_with_replay():
+    """examples/tiny/moe-dapo.yaml (issue 29) is a full copy of examples/tiny/dapo.yaml: it may
+    differ only in the model (the tiny Qwen3-MoE), routing replay and its run_dir."""
+    dense = _flat(_resolved("examples/tiny/dapo.yaml", []))
+    moe = _flat(_resolved("examples/tiny/moe-dapo.yaml", []))
+    assert {k for k in dense if dense[k] != moe[k]} == {"run_dir", "model.path", "actor.router_replay"}
+    assert moe["actor.router_replay"] is True and moe["model.path"].endswith("examples/tiny/moe_base_model")

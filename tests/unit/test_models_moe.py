@@ -60,6 +60,13 @@ def test_qwen3_30b_a3b_config_maps():
     assert "model.layers.0.mlp.gate_proj.weight" not in shapes
 
 
+def test_transformers5_num_local_experts_is_read():
+    cfg = _moe()
+    cfg["num_local_experts"] = cfg.pop("num_experts")
+    assert moe_spec(cfg).num_experts == 4
+    assert build_transformer_config(cfg).num_moe_experts == 4
+
+
 @pytest.mark.parametrize("override, key", [
     ({"shared_expert_intermediate_size": 512}, "shared_expert_intermediate_size"),
     ({"mlp_only_layers": [0]}, "mlp_only_layers"),
