@@ -317,6 +317,7 @@ def check_job(
     import shlex
 
     from megatron_rl.config import load_config
+    from megatron_rl.config.moe import routing_requested
     from megatron_rl.trainer.preflight import get_check
 
     if device not in ("gpu", "cpu"):
@@ -416,7 +417,7 @@ def check_job(
             "model_path": str(cfg.model.path), "run_dir": str(cfg.run_dir), "rollout_backend": rollout_backend,
             "trainer_backend": trainer_backend, "vllm_python": cfg.rollout.vllm_python,
             "vllm_extra_args": shlex.join(cfg.rollout.vllm_extra_args), "colocate": int(cfg.rollout.colocate),
-            "rollout_ep_size": ep, "router_replay": int(cfg.actor.router_replay)}
+            "rollout_ep_size": ep, "router_replay": int(routing_requested(cfg))}
 
 
 def rollout_ep_size_of(cfg, rollout_tp_size: int, rollout_backend: str, requested: int | None = None) -> int:

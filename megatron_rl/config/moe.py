@@ -46,3 +46,10 @@ class ExpertOptions:
         check_choice("trainer.moe_router_load_balancing_type", self.moe_router_load_balancing_type,
                      LOAD_BALANCING_TYPES)
         check_positive("trainer.moe_aux_loss_coeff", self.moe_aux_loss_coeff, allow_zero=True)
+
+
+def routing_requested(cfg) -> bool:
+    """Whether the rollout engines return routed experts: `rollout.return_routed_experts`, or when
+    None `actor.router_replay` (a `Config`)."""
+    asked = cfg.rollout.return_routed_experts
+    return bool(cfg.actor.router_replay if asked is None else asked)

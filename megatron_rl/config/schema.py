@@ -175,6 +175,9 @@ class RolloutConfig:
     tokens it already generated (prompt + prefix, the remaining `max_new_tokens`; its tokens then
     span two versions). False (default): resubmit it from scratch. Requests aborted as too stale
     always start again from scratch."""
+    return_routed_experts: Optional[bool] = None
+    """Engines return the experts they routed every token to (SGLang's request field; MoE only).
+    None (default) = with actor.router_replay; true without replay: train/router_mismatch only."""
 
     def __post_init__(self) -> None:
         _choice("rollout", "backend", self.backend, tuple(ROLLOUT_BACKEND_PORTS))

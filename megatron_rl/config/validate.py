@@ -219,7 +219,10 @@ def _check_model_layout(cfg: Config) -> Optional[dict]:
         raise ConfigError(f"trainer.tensor_model_parallel_size {tp} must divide num_key_value_heads {kv} ({src})")
     moe = hf.get("model_type") == "qwen3_moe"
     ep = t.expert_model_parallel_size
-    if not moe and (ep != 1 or cfg.actor.router_replay):
+    if cfg.actor.router_replay and cfg.rollout.return_routed_experts is False:
+        raise ConfigError("actor.router_replay needs the engines' routing: rollout.return_routed_experts must not be "
+                          "false")
+    if not moe and (ep != 1 or cfg.actor.router_replay or cfg.rollout.return_routed_experts):
         raise ConfigError(f"trainer.expert_model_parallel_size={ep} / actor.router_replay={cfg.actor.router_replay} "
                           f"need a Mixture-of-Experts model; {src} has model_type {hf.get('model_type')!r}")
     if moe:

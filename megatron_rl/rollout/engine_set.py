@@ -20,6 +20,7 @@ import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
 
+from megatron_rl.config.moe import routing_requested
 from megatron_rl.parallel.nodes import NodeInfo, node_address
 from megatron_rl.rollout.engine import engine_backend
 
@@ -116,7 +117,7 @@ class EngineSet:
             per_server_args=per_server_args,
             # MoE (issue 29): engines record the routed experts for rollout routing replay; their
             # expert parallelism follows the model (launcher.engine_ep_size: rollout.tp_size for MoE)
-            return_routed_experts=cfg.actor.router_replay,
+            return_routed_experts=routing_requested(cfg),
         )
         if self.multinode:  # bound to 0.0.0.0: this node's own calls go through the loopback address
             return [f"http://127.0.0.1:{server.port}" for server in self.processes]

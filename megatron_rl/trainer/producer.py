@@ -32,13 +32,16 @@ __all__ = ["ProducedStep", "RolloutProducer", "routed_experts_spec", "sample_rou
 
 
 def routed_experts_spec(cfg):
-    """The `RoutedExpertsSpec` (layers, top-k, experts) of the policy when `actor.router_replay` is
-    on, read from `model.path`'s config.json; None when it is off.
+    """The `RoutedExpertsSpec` (layers, top-k, experts) of the policy when the engines return routing
+    (`actor.router_replay`, or `rollout.return_routed_experts` for the mismatch metric alone), read
+    from `model.path`'s config.json; None otherwise.
 
     Raises:
         ValueError: router replay on a model whose config is not a Mixture-of-Experts one.
     """
-    if not cfg.actor.router_replay:
+    from megatron_rl.config.moe import routing_requested
+
+    if not routing_requested(cfg):
         return None
     from megatron_rl.rollout.result import RoutedExpertsSpec
 

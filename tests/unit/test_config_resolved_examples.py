@@ -19,7 +19,7 @@ comparison's recipe); `trainer.attention_backend` (auto) is new, and grpo.yaml s
 `trainer.transformer_impl: local` and `weight_sync.load_format: flattened_bucket`. New since (issue 29,
 Mixture-of-Experts): `actor.router_replay` (false), `trainer.expert_model_parallel_size` (1),
 `trainer.expert_tensor_parallel_size` (None = TP), `trainer.moe_router_load_balancing_type` (none),
-`trainer.moe_aux_loss_coeff` (0.0). Added since (issue 29): `examples/qwen3-30b-a3b/dapo.yaml`, recorded with
+`trainer.moe_aux_loss_coeff` (0.0), `rollout.return_routed_experts` (None = with replay). Added since (issue 29): `examples/qwen3-30b-a3b/dapo.yaml`, recorded with
 `_resolved`; it must stay the 32B dapo.yaml on the MoE model (`test_moe_dapo_is_dapo_on_qwen3_30b_a3b`).
 And `examples/tiny/moe-dapo.yaml`, recorded with `_resolved`; it must stay the tiny dapo.yaml on the
 tiny MoE model with replay (`test_tiny_moe_dapo_is_dapo_on_the_moe_model_with_replay`)."""
