@@ -31,7 +31,11 @@ class ExpertOptions:
     (Megatron's --moe-router-load-balancing-type). Computed from the router's own scores, also
     under routing replay (ALGORITHMS.md section 9)."""
     moe_aux_loss_coeff: float = 0.0
-    """Coefficient of the load-balancing loss, >= 0 (Megatron's --moe-aux-loss-coeff). Default 0."""
+    """Coefficient of the load-balancing loss, >= 0 (Megatron's --moe-aux-loss-coeff). Default 0.
+    megatron-core scales the loss's gradient for a per-token loss count (`calculate_per_token_loss`):
+    with actor.loss_agg_mode token-mean (the only mode allowed with a coefficient > 0) the count is
+    the response tokens, so the effective weight is coeff x (positions the router sees / response
+    tokens), prompt positions included."""
 
     def _check_expert_options(self) -> None:
         """Raises `ConfigError` naming the `trainer.` key of a bad value."""

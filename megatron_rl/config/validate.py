@@ -17,6 +17,7 @@ from typing import Any, Optional
 from megatron_rl.algorithms.options import (ADV_ESTIMATOR_SPECS, ResolvedCorrection, check_group_size,
                                             resolve_rollout_correction)
 from megatron_rl.config.colocate import check_colocate
+from megatron_rl.config.moe import routing_requested
 from megatron_rl.config.hub_ids import cached_file
 from megatron_rl.config.schema import Config
 from megatron_rl.errors import ConfigError
@@ -237,10 +238,20 @@ def _check_model_layout(cfg: Config) -> Optional[dict]:
         if tp > 1 and not t.sequence_parallel:
             raise ConfigError(f"trainer.tensor_model_parallel_size {tp} with a Mixture-of-Experts model needs "
                               "trainer.sequence_parallel: true (megatron-core refuses MoE training with TP and no SP)")
-        if ep > 1 and etp != tp:
-            raise ConfigError(f"trainer.expert_tensor_parallel_size {etp} != trainer.tensor_model_parallel_size {tp} "
-                              "with expert parallelism: the weight publisher gathers experts over EP with the TP layout; "
-                              "set them equal")
+        if etp != tp:
+            raise ConfigError(f"trainer.expert_tensor_parallel_size {etp} != trainer.tensor_model_parallel_size {tp}: "
+                              "the weight publisher exports and gathers experts with the TP layout; set them equal "
+                              "(or leave expert_tensor_parallel_size unset)")
+        if t.moe_aux_loss_coeff > 0 and t.moe_router_load_balancing_type != "none" and \
+                cfg.actor.loss_agg_mode != "token-mean":
+            raise ConfigError(f"trainer.moe_aux_loss_coeff {t.moe_aux_loss_coeff} with actor.loss_agg_mode "
+                              f"{cfg.actor.loss_agg_mode!r}: megatron-core scales the load-balancing loss for a "
+                              "per-token count, and this mode's count is sequences, which would multiply its weight "
+                              "by the tokens per sequence; use loss_agg_mode token-mean or moe_aux_loss_coeff 0")
+        if routing_requested(cfg) and cfg.actor.old_logprob_source == "rollout":
+            logger.warning("actor.old_logprob_source=rollout skips the old-log-prob forward, where "
+                           "train/router_mismatch is measured: the metric is not reported (routing replay, if on, "
+                           "still applies in the update)")
         if ep > 1 and cfg.rollout.colocate:
             raise ConfigError("rollout.colocate with trainer.expert_model_parallel_size > 1 is not supported yet: the "
                               "colocated hand-over sends from each node's local rank 0 without the EP gather")

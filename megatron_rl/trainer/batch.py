@@ -37,10 +37,11 @@ class TrainBatch:
         seq_lengths: [N] int64 or None, real tokens of each row (prompt + response); set by
             `build_train_batch`, needed by the token-budget split.
         pad_multiple: S and every trimmed width are multiples of this (TP under sequence parallelism).
-        routed_experts: [N, S, L, K] int64 or None: for rollout routing replay (MoE), the experts
+        routed_experts: [N, S, L, K] int16 or None: for rollout routing replay (MoE), the experts
             the engine routed input position t of row i to in MoE layer l (ALGORITHMS.md section 9);
             positions the engine never routed (the last token, padding) hold the filler
-            ``0..K-1`` and are False in ``routed_valid``.
+            ``0..K-1`` and are False in ``routed_valid``. int16 (expert ids < 32768) keeps the
+            batch every rank receives 4x smaller than int64; the replay widens one micro-batch at a time.
         routed_valid: [N, S] bool or None: positions whose ``routed_experts`` came from the engine.
     """
 
@@ -318,20 +319,23 @@ def build_train_batch(
 
 
 def _routed_tensor(rows: Sequence[Any], lengths: Sequence[int], s_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, S, L, K] int64 routing with the filler 0..K-1 where unrouted, and the [N, S] valid mask."""
+    """[N, S, L, K] int16 routing with the filler 0..K-1 where unrouted, and the [N, S] valid mask."""
     if len(rows) != len(lengths):
         raise ValueError(f"build_train_batch: {len(rows)} routed_experts rows for {len(lengths)} sequences")
-    tensors = [torch.as_tensor(r).long() for r in rows]
+    tensors = [torch.as_tensor(r) for r in rows]
     shapes = {tuple(t.shape[1:]) for t in tensors}
     if len(shapes) != 1 or any(t.dim() != 3 for t in tensors):
         raise ValueError(f"build_train_batch: routed_experts rows must be [tokens, layers, top-k] with one [layers, "
                          f"top-k] for all rows, got {sorted(shapes)}")
     layers, k = shapes.pop()
-    routed = torch.arange(k, dtype=torch.long).expand(len(rows), s_len, layers, k).clone()
+    big = [i for i, t in enumerate(tensors) if t.numel() and (int(t.max()) > 32767 or int(t.min()) < 0)]
+    if big:
+        raise ValueError(f"sequence {big[0]}: routed_experts holds expert ids outside [0, 32767]")
+    routed = torch.arange(k, dtype=torch.int16).expand(len(rows), s_len, layers, k).clone()
     valid = torch.zeros((len(rows), s_len), dtype=torch.bool)
     for i, (t, length) in enumerate(zip(tensors, lengths)):
         if t.shape[0] > length:
             raise ValueError(f"sequence {i}: routing for {t.shape[0]} positions but the sequence has {length} tokens")
-        routed[i, : t.shape[0]] = t
+        routed[i, : t.shape[0]] = t.to(torch.int16)
         valid[i, : t.shape[0]] = True
     return routed, valid

@@ -64,18 +64,19 @@ class RoutingReplay:
         tp_rank, tp_size: this rank's tensor-parallel coordinates.
         sequence_parallel: the model runs with sequence parallelism (the router sees S / TP tokens).
         num_layers: the model's layer count (the metric's per-layer axis).
+        topk: the routers' top-k (``moe_router_topk``); a batch whose routing has another K is refused.
 
     The metric's counts are summed over the default process group by :meth:`mismatch_metrics`;
     TP ranks without sequence parallelism see the same tokens, so only TP rank 0 counts then.
     """
 
     def __init__(self, model, *, replay: bool, tp_rank: int = 0, tp_size: int = 1, sequence_parallel: bool = False,
-                 num_layers: int) -> None:
+                 num_layers: int, topk: int | None = None) -> None:
         chunks = list(model) if isinstance(model, (list, tuple)) else [model]
         self._routers = {id(_unwrap(m)): model_routers(m) for m in chunks}
         self.replay = replay
         self.tp_rank, self.tp_size, self.sp = tp_rank, tp_size, sequence_parallel
-        self.num_layers = num_layers
+        self.num_layers, self.topk = num_layers, topk
         self._counts = torch.zeros((num_layers, 2), dtype=torch.float64)  # [mismatched, valid] per layer
         self._measure = False
         for routers in self._routers.values():
@@ -131,8 +132,14 @@ class RoutingReplay:
                 inst.router_replay_action = None
                 inst._mr_valid = None
             return
-        if routed.shape[2] != self.num_layers:
-            raise ValueError(f"routed_experts has {routed.shape[2]} layers, the model {self.num_layers}")
+        if routed.dim() != 4 or routed.shape[2] != self.num_layers:
+            raise ValueError(f"routed_experts has shape {list(routed.shape)}: expected [batch, seq, "
+                             f"{self.num_layers} layers, top-k]")
+        if self.topk is not None and routed.shape[3] != self.topk:
+            raise ValueError(f"routed_experts has top-{routed.shape[3]} per position, the model routes each token to "
+                             f"{self.topk} experts (moe_router_topk / the HF config's num_experts_per_tok): the engine "
+                             "serves another model config")
+        routed = routed.long()  # the batch keeps int16; one micro-batch is widened at a time
         ordered = self._token_order(routed, mb)  # [T, L, K]
         ordered_valid = self._token_order(valid, mb) if measure else None  # [T]
         self._measure = measure

@@ -257,7 +257,7 @@ def _routing_replay(run: Run, tf_config):
 
     return RoutingReplay(run.ddp_model, replay=run.cfg.actor.router_replay, tp_rank=run.pgs.tp_rank,
                          tp_size=run.pgs.tp_size, sequence_parallel=tf_config.sequence_parallel,
-                         num_layers=tf_config.num_layers)
+                         num_layers=tf_config.num_layers, topk=tf_config.moe_router_topk)
 
 
 def _warn_config_changes(cfg: Config, saved_path: Path) -> None:

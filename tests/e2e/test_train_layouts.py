@@ -109,8 +109,12 @@ DA3PO_STEPS = 5
 def _run_da3po(run_dir: Path, *overrides: str) -> tuple[dict[int, dict], dict]:
     # the thread settings the reference below was recorded with: torch's default on this 2-core
     # machine (2 threads) for the rollout server; since issue 21 each process takes a share of the
-    # cores instead, and a different thread count changes fp32 rounding (and a near-tie token)
-    env = dict(os.environ, OMP_NUM_THREADS="2")
+    # cores instead, and a different thread count changes fp32 rounding (and a near-tie token).
+    # MKL_CBWR=AVX2 (MKL's conditional numerical reproducibility): MKL picks its sgemm kernels by
+    # the CPU (AVX2 or AVX-512), which changes rounding the same way; the reference was recorded on
+    # MKL's AVX2 path, and CI machines differ in their CPUs (an AVX-512 one drew a different token
+    # at step 1 without it)
+    env = dict(os.environ, OMP_NUM_THREADS="2", MKL_CBWR="AVX2")
     out = subprocess.run(
         [sys.executable, "-m", "megatron_rl.cli", "train", "--config", str(ROOT / "examples/tiny/da3po.yaml"),
          f"run_dir={run_dir}", f"trainer.total_training_steps={DA3PO_STEPS}", "trainer.progress_bar=false",
@@ -145,7 +149,9 @@ def _assert_like_before(got: dict[int, dict], summary: dict, rel: float) -> None
 
 def test_da3po_recipe_matches_the_trainer_before_the_redesign(da3po_one_process):
     got, summary = da3po_one_process
-    _assert_like_before(got, summary, rel=1e-6)
+    # the same tokens every step; loss and grad norm within 1e-5 (was 1e-6 on the recording machine:
+    # ATen's own vectorised fp32 kernels still follow the CPU, AVX-512 here, 5.7e-6 at step 4 seen)
+    _assert_like_before(got, summary, rel=1e-5)
 
 
 DA3PO_SAME = ("rollout/token_checksum", "perf/generated_tokens", "train/acc", "train/score", "reward/failed",

@@ -185,7 +185,8 @@ def test_dynamic_sampling_and_the_async_queue_carry_the_routing():
         ahead.close()
     for i, s in enumerate(got.samples):
         n = len(s.prompt_ids) + len(s.response_ids) - 1
-        assert torch.equal(got.batch.routed_experts[i, :n], torch.as_tensor(s.routed_experts).long())
+        assert got.batch.routed_experts.dtype == torch.int16
+        assert torch.equal(got.batch.routed_experts[i, :n].long(), torch.as_tensor(s.routed_experts).long())
         assert got.batch.routed_valid[i].sum() == n
 
 
@@ -204,9 +205,11 @@ def test_the_producer_refuses_a_sample_without_matching_routing(tmp_path):
         sample_routing([s])
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe", "num_hidden_layers": 2,
                                                       "num_experts_per_tok": 2, "num_experts": 4}))
-    cfg = SimpleNamespace(actor=SimpleNamespace(router_replay=True), model=SimpleNamespace(path=str(tmp_path)))
+    cfg = SimpleNamespace(rollout=SimpleNamespace(return_routed_experts=None), actor=SimpleNamespace(router_replay=True),
+                          model=SimpleNamespace(path=str(tmp_path)))
     assert routed_experts_spec(cfg) == SPEC
-    assert routed_experts_spec(SimpleNamespace(actor=SimpleNamespace(router_replay=False))) is None
+    assert routed_experts_spec(SimpleNamespace(rollout=SimpleNamespace(return_routed_experts=None),
+                                               actor=SimpleNamespace(router_replay=False))) is None
 
 
 # ---- the embedded engine, in process ------------------------------------------------------------

@@ -175,3 +175,21 @@ def test_replay_without_routing_data_is_a_clear_error(megatron_world1):
     routing = RoutingReplay(model, replay=True, num_layers=LAYERS)
     with pytest.raises(ValueError, match="routed_experts"):
         routing.before_forward(model, _batch(), measure=False)
+
+
+def test_replay_refuses_routing_with_another_top_k(megatron_world1):
+    model = _model()
+    batch = _batch()
+    n = [int(x) - 1 for x in batch.seq_lengths]
+    routing = RoutingReplay(model, replay=True, num_layers=LAYERS, topk=K)
+    # the engine served a model routing each token to K + 1 experts
+    wider = _batch(routed=[torch.arange(K + 1).expand(t, LAYERS, K + 1) for t in n])
+    assert wider.routed_experts.dtype == torch.int16
+    with pytest.raises(ValueError, match=f"top-{K + 1} per position, the model routes each token to {K} experts"):
+        routing.before_forward(model, wider, measure=False)
+    # and another layer count
+    fewer = _batch(routed=[torch.arange(K).expand(t, LAYERS - 1, K) for t in n])
+    with pytest.raises(ValueError, match=f"expected \\[batch, seq, {LAYERS} layers, top-k\\]"):
+        routing.before_forward(model, fewer, measure=False)
+    with pytest.raises(ValueError, match="sequence 0: routed_experts holds expert ids outside"):
+        _batch(routed=[torch.full((t, LAYERS, K), 40000) for t in n])
