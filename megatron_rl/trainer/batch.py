@@ -15,10 +15,13 @@ layout, so everything after the forward pass is unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 import torch
+
+from megatron_rl.trainer.routed_rows import RoutedRows
 
 
 @dataclass
@@ -37,12 +40,10 @@ class TrainBatch:
         seq_lengths: [N] int64 or None, real tokens of each row (prompt + response); set by
             `build_train_batch`, needed by the token-budget split.
         pad_multiple: S and every trimmed width are multiples of this (TP under sequence parallelism).
-        routed_experts: [N, S, L, K] int16 or None: for rollout routing replay (MoE), the experts
-            the engine routed input position t of row i to in MoE layer l (ALGORITHMS.md section 9);
-            positions the engine never routed (the last token, padding) hold the filler
-            ``0..K-1`` and are False in ``routed_valid``. int16 (expert ids < 32768) keeps the
-            batch every rank receives 4x smaller than int64; the replay widens one micro-batch at a time.
-        routed_valid: [N, S] bool or None: positions whose ``routed_experts`` came from the engine.
+        routed_experts: `trainer.routed_rows.RoutedRows` or None: for rollout routing replay (MoE),
+            per row the experts the engine routed each of its first T_i positions to in every MoE
+            layer (ALGORITHMS.md section 9), int16 and unpadded; on the controller every row, on a
+            rank after `routed_rows.hand_out` the rows and layers it trains.
     """
 
     input_ids: torch.Tensor
@@ -57,8 +58,7 @@ class TrainBatch:
     pad_multiple: int = 1
     packing: "PackedRows | None" = None
     """Set on a micro-batch that runs packed (`pack_sequences`); never carried by `slice`/`select`."""
-    routed_experts: torch.Tensor | None = None
-    routed_valid: torch.Tensor | None = None
+    routed_experts: "RoutedRows | None" = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -73,7 +73,7 @@ class TrainBatch:
             loss_mask=s(self.loss_mask), advantages=s(self.advantages),
             rollout_logprobs=s(self.rollout_logprobs), old_logprobs=s(self.old_logprobs),
             ref_logprobs=s(self.ref_logprobs), seq_lengths=s(self.seq_lengths), pad_multiple=self.pad_multiple,
-            routed_experts=s(self.routed_experts), routed_valid=s(self.routed_valid),
+            routed_experts=None if self.routed_experts is None else self.routed_experts.slice(start, end),
         )
 
     def select(self, rows: Sequence[int], width: int | None = None) -> "TrainBatch":
@@ -102,8 +102,16 @@ class TrainBatch:
             loss_mask=s(self.loss_mask), advantages=s(self.advantages, False),
             rollout_logprobs=s(self.rollout_logprobs), old_logprobs=s(self.old_logprobs),
             ref_logprobs=s(self.ref_logprobs), seq_lengths=s(self.seq_lengths, False),
-            pad_multiple=self.pad_multiple, routed_experts=s(self.routed_experts), routed_valid=s(self.routed_valid),
+            pad_multiple=self.pad_multiple,
+            routed_experts=None if self.routed_experts is None else self.routed_experts.select(idx.tolist()),
         )
+
+    def for_broadcast(self) -> "TrainBatch":
+        """This batch as the controller broadcasts it: the routing's rows left out (each rank gets
+        its own share by `routed_rows.hand_out`); the same object when there is no routing."""
+        if self.routed_experts is None:
+            return self
+        return dataclasses.replace(self, routed_experts=self.routed_experts.stripped())
 
     def micro_batches(self, micro_batch_size: int) -> Iterator["TrainBatch"]:
         """Consecutive micro-batches of at most `micro_batch_size` sequences."""
@@ -274,7 +282,7 @@ def build_train_batch(
         routed_experts: None, or N arrays (numpy or torch, any int dtype) of shape [T_i, L, K]:
             the experts the engine routed each of the first T_i positions of prompt + response to
             (T_i <= len(prompt) + len(response); the engine routes every token it processed, so
-            usually all but the last). Becomes `TrainBatch.routed_experts` / `routed_valid`.
+            usually all but the last). Becomes `TrainBatch.routed_experts` (`RoutedRows`).
 
     Raises:
         ValueError: lengths of a response and its log-probs differ, an empty prompt, or routing
@@ -303,7 +311,7 @@ def build_train_batch(
             loss_mask[i, lo:hi] = bool(keep)
             rlp[i, lo:hi] = torch.tensor(lp, dtype=torch.float32)
     position_ids = torch.arange(s_len, dtype=torch.long).unsqueeze(0).expand(n, s_len).contiguous()
-    routed, valid = (None, None) if routed_experts is None else _routed_tensor(routed_experts, lengths, s_len)
+    routed = None if routed_experts is None else RoutedRows.from_samples(routed_experts, lengths)
     return TrainBatch(
         input_ids=input_ids,
         position_ids=position_ids,
@@ -314,28 +322,5 @@ def build_train_batch(
         seq_lengths=torch.tensor(lengths, dtype=torch.long),
         pad_multiple=pad_to_multiple_of,
         routed_experts=routed,
-        routed_valid=valid,
     )
 
-
-def _routed_tensor(rows: Sequence[Any], lengths: Sequence[int], s_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, S, L, K] int16 routing with the filler 0..K-1 where unrouted, and the [N, S] valid mask."""
-    if len(rows) != len(lengths):
-        raise ValueError(f"build_train_batch: {len(rows)} routed_experts rows for {len(lengths)} sequences")
-    tensors = [torch.as_tensor(r) for r in rows]
-    shapes = {tuple(t.shape[1:]) for t in tensors}
-    if len(shapes) != 1 or any(t.dim() != 3 for t in tensors):
-        raise ValueError(f"build_train_batch: routed_experts rows must be [tokens, layers, top-k] with one [layers, "
-                         f"top-k] for all rows, got {sorted(shapes)}")
-    layers, k = shapes.pop()
-    big = [i for i, t in enumerate(tensors) if t.numel() and (int(t.max()) > 32767 or int(t.min()) < 0)]
-    if big:
-        raise ValueError(f"sequence {big[0]}: routed_experts holds expert ids outside [0, 32767]")
-    routed = torch.arange(k, dtype=torch.int16).expand(len(rows), s_len, layers, k).clone()
-    valid = torch.zeros((len(rows), s_len), dtype=torch.bool)
-    for i, (t, length) in enumerate(zip(tensors, lengths)):
-        if t.shape[0] > length:
-            raise ValueError(f"sequence {i}: routing for {t.shape[0]} positions but the sequence has {length} tokens")
-        routed[i, : t.shape[0]] = t.to(torch.int16)
-        valid[i, : t.shape[0]] = True
-    return routed, valid

@@ -175,7 +175,7 @@ def _produce(run, step: int):
     except Exception as e:
         send_to_ranks(ControllerFailed(f"{type(e).__name__}: {e}"), run.pgs)
         raise
-    send_to_ranks(produced.batch, run.pgs)
+    send_to_ranks(produced.batch.for_broadcast(), run.pgs)  # routing rows: handed out by the policy
     return produced, produced.batch
 
 

@@ -183,6 +183,11 @@ class PolicyTrainer:
             lp, ent = mb.packing.unpack(lp), mb.packing.unpack(ent)
         return lp, ent
 
+    def _hand_out_routing(self, batch: TrainBatch, mini_batch_sequences: int | None) -> None:
+        """This rank's rows (its DP shares of the mini-batches) and layers of the batch's routing."""
+        size, rank = self._size_rank(self.dp_group)
+        self.routing.hand_out(batch, mini_batch_sequences, dp_size=size, dp_rank=rank)
+
     def _minis(self, n: int, mini_batch_sequences: int | None) -> list[tuple[int, int]]:
         step = mini_batch_sequences or n
         return [(s, min(s + step, n)) for s in range(0, n, step)]
@@ -235,6 +240,8 @@ class PolicyTrainer:
         model = model or self.model
         for m in model:
             m.eval()
+        if model is self.model and self.routing is not None:  # this rank's rows and layers of the routing
+            self._hand_out_routing(batch, mini_batch_sequences)
         shares = [self._dp_share(batch.slice(a, b)) for a, b in self._minis(len(batch), mini_batch_sequences)]
         plans = [self._plan(share) for share in shares]
         mbs = [mb for plan in plans for _, mb in plan]
@@ -372,6 +379,8 @@ class PolicyTrainer:
             One metrics dict per optimizer step (loss, grad_norm, pg_clipfrac, ...).
         """
         assert batch.old_logprobs is not None, "compute old_logprobs before the update"
+        if self.routing is not None:  # (done by compute_logprobs unless the old log-probs came from the engine)
+            self._hand_out_routing(batch, mini_batch_sequences)
         history = []
         for _ in range(ppo_epochs):
             for start in range(0, len(batch), mini_batch_sequences):

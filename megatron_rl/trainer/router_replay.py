@@ -6,7 +6,8 @@ drives the instances of ONE model (found through its modules, not megatron-core'
 list, which every model built in the process joins):
 
 - before a micro-batch's forward (:meth:`RoutingReplay.before_forward`) it turns the batch's
-  engine routing ``TrainBatch.routed_experts`` [B, S, L, K] into each local layer's target indices
+  engine routing ``TrainBatch.routed_experts`` (``RoutedRows``, padded here to the micro-batch's
+  [B, S, L, K]) into each local layer's target indices
   in megatron's token order (the router sees ``[S, B, h]`` flattened: token ``s * B + b``; under
   sequence parallelism this TP rank's contiguous chunk of S; packed rows through their index) and
   sets them with REPLAY_FORWARD. megatron-core then gathers the router's own scores at those ids
@@ -88,6 +89,27 @@ class RoutingReplay:
         """Whether this model has routers to drive."""
         return any(self._routers.values())
 
+    def hand_out(self, batch, mini_batch_sequences: int | None, *, dp_size: int, dp_rank: int) -> None:
+        """Give this rank its share of the controller's routing, in place on `batch` (every rank
+        calls it, once a step; a no-op when the batch has no routing or already got it): the rows
+        of its data-parallel shares (DP rank `dp_rank` of `dp_size`) of each mini-batch of
+        `mini_batch_sequences` rows and the MoE layers of its model chunks (`routed_rows.hand_out`).
+
+        Raises:
+            ValueError: the batch's routing was handed out for another mini-batch size.
+        """
+        rr = getattr(batch, "routed_experts", None)
+        if rr is not None and rr.local and rr.minis != mini_batch_sequences:
+            raise ValueError(f"the routing was handed out for mini-batches of {rr.minis} sequences, not "
+                             f"{mini_batch_sequences}: every pass over a batch must use the update's mini-batches")
+        if rr is None or rr.local:
+            return
+        from megatron_rl.trainer.routed_rows import hand_out
+
+        layers = [layer for routers in self._routers.values() for layer, _ in routers]
+        batch.routed_experts = hand_out(rr, mini_batch_sequences=mini_batch_sequences, dp_size=dp_size,
+                                        dp_rank=dp_rank, layers=layers)
+
     # ---- per micro-batch -----------------------------------------------------------------------
     def _token_order(self, per_row: torch.Tensor, mb) -> torch.Tensor:
         """[B, S, ...] per-position values -> megatron's [S*B (/tp), ...] router order."""
@@ -112,18 +134,18 @@ class RoutingReplay:
 
         Args:
             model: the model chunk the schedule is about to run.
-            mb: the micro-batch (`TrainBatch`), with `routed_experts` [B, S, L, K] or None.
+            mb: the micro-batch (`TrainBatch`), with `routed_experts` (`RoutedRows`) or None.
             measure: count the router mismatch on this forward (the old-log-prob pass).
 
         Raises:
-            ValueError: replay is on and the micro-batch carries no routing, or its top-k or layer
-                count does not match the model.
+            ValueError: replay is on and the micro-batch carries no routing, its top-k or layers do
+                not match the model, or a row is not held on this rank.
         """
         routers = self._routers.get(id(_unwrap(model)), [])
         if not routers:
             return
-        routed, valid = getattr(mb, "routed_experts", None), getattr(mb, "routed_valid", None)
-        if routed is None:
+        rr = getattr(mb, "routed_experts", None)
+        if rr is None:
             if self.replay:
                 raise ValueError("actor.router_replay is on but the batch carries no routed_experts: the rollout "
                                  "engine did not return the experts it routed to (SGLang: --enable-return-routed-"
@@ -132,21 +154,22 @@ class RoutingReplay:
                 inst.router_replay_action = None
                 inst._mr_valid = None
             return
-        if routed.dim() != 4 or routed.shape[2] != self.num_layers:
-            raise ValueError(f"routed_experts has shape {list(routed.shape)}: expected [batch, seq, "
-                             f"{self.num_layers} layers, top-k]")
-        if self.topk is not None and routed.shape[3] != self.topk:
-            raise ValueError(f"routed_experts has top-{routed.shape[3]} per position, the model routes each token to "
+        if self.topk is not None and rr.topk != self.topk:
+            raise ValueError(f"routed_experts has top-{rr.topk} per position, the model routes each token to "
                              f"{self.topk} experts (moe_router_topk / the HF config's num_experts_per_tok): the engine "
                              "serves another model config")
-        routed = routed.long()  # the batch keeps int16; one micro-batch is widened at a time
-        ordered = self._token_order(routed, mb)  # [T, L, K]
+        if max(rr.layers, default=-1) >= self.num_layers:
+            raise ValueError(f"routed_experts has layers {list(rr.layers)}: expected layers of a {self.num_layers}-layer "
+                             "model")
+        columns = [rr.column(layer) for layer, _ in routers]
+        routed, valid = rr.padded(mb.input_ids.shape[1])  # [B, S, L_held, K] int64: one micro-batch widened
+        ordered = self._token_order(routed, mb)  # [T, L_held, K]
         ordered_valid = self._token_order(valid, mb) if measure else None  # [T]
         self._measure = measure
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-        for layer, inst in routers:
-            target = ordered[:, layer, :]
+        for (layer, inst), col in zip(routers, columns):
+            target = ordered[:, col, :]
             if self.replay:
                 inst.set_target_indices(target)
                 inst.router_replay_action = RouterReplayAction.REPLAY_FORWARD

@@ -185,9 +185,11 @@ def test_dynamic_sampling_and_the_async_queue_carry_the_routing():
         ahead.close()
     for i, s in enumerate(got.samples):
         n = len(s.prompt_ids) + len(s.response_ids) - 1
-        assert got.batch.routed_experts.dtype == torch.int16
-        assert torch.equal(got.batch.routed_experts[i, :n].long(), torch.as_tensor(s.routed_experts).long())
-        assert got.batch.routed_valid[i].sum() == n
+        row = got.batch.routed_experts.rows[i]
+        assert row.dtype == torch.int16 and row.shape[0] == n  # unpadded
+        assert torch.equal(row.long(), torch.as_tensor(s.routed_experts).long())
+        routed, valid = got.batch.routed_experts.select([i]).padded(got.batch.input_ids.shape[1])
+        assert torch.equal(routed[0, :n], row.long()) and int(valid.sum()) == n
 
 
 def test_the_producer_refuses_a_sample_without_matching_routing(tmp_path):

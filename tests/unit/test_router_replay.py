@@ -92,14 +92,16 @@ def test_replay_follows_the_engine_and_keeps_router_gradients(megatron_world1):
         plain = _forward(model, batch)
     own = _engine_routing_from(maps, batch)
     replayed_batch = _batch(routed=own)
-    assert replayed_batch.routed_experts.shape == (3, 8, LAYERS, K)
-    assert int(replayed_batch.routed_valid.sum()) == sum(int(n) - 1 for n in replayed_batch.seq_lengths)
+    routed, valid = replayed_batch.routed_experts.padded(8)
+    assert routed.shape == (3, 8, LAYERS, K)
+    assert int(valid.sum()) == sum(int(n) - 1 for n in replayed_batch.seq_lengths)
+    assert [r.dtype for r in replayed_batch.routed_experts.rows] == [torch.int16] * 3
 
     # replaying the router's own choice: same logits, no mismatch
     routing = RoutingReplay(model, replay=True, num_layers=LAYERS)
     with torch.no_grad():
         same = _forward(model, replayed_batch, routing, measure=True)
-    valid = replayed_batch.routed_valid  # the filler positions (last token, padding) route elsewhere
+    # (valid: the filler positions, last token and padding, route elsewhere)
     assert (same - plain)[valid].abs().max() < 1e-6
     assert routing.mismatch_metrics() == {"train/router_mismatch": 0.0, "train/router_mismatch/layer_0": 0.0,
                                           "train/router_mismatch/layer_1": 0.0}
@@ -184,12 +186,15 @@ def test_replay_refuses_routing_with_another_top_k(megatron_world1):
     routing = RoutingReplay(model, replay=True, num_layers=LAYERS, topk=K)
     # the engine served a model routing each token to K + 1 experts
     wider = _batch(routed=[torch.arange(K + 1).expand(t, LAYERS, K + 1) for t in n])
-    assert wider.routed_experts.dtype == torch.int16
+    assert wider.routed_experts.rows[0].dtype == torch.int16
     with pytest.raises(ValueError, match=f"top-{K + 1} per position, the model routes each token to {K} experts"):
         routing.before_forward(model, wider, measure=False)
-    # and another layer count
+    # and another layer count: fewer (a layer missing) or more than the model has
     fewer = _batch(routed=[torch.arange(K).expand(t, LAYERS - 1, K) for t in n])
-    with pytest.raises(ValueError, match=f"expected \\[batch, seq, {LAYERS} layers, top-k\\]"):
+    with pytest.raises(ValueError, match=f"routed_experts holds layers \\[0\\], not layer {LAYERS - 1}"):
         routing.before_forward(model, fewer, measure=False)
+    more = _batch(routed=[torch.arange(K).expand(t, LAYERS + 1, K) for t in n])
+    with pytest.raises(ValueError, match=f"expected layers of a {LAYERS}-layer model"):
+        routing.before_forward(model, more, measure=False)
     with pytest.raises(ValueError, match="sequence 0: routed_experts holds expert ids outside"):
         _batch(routed=[torch.full((t, LAYERS, K), 40000) for t in n])

@@ -1,0 +1,180 @@
+"""The engine's routing of a batch, row by row and unpadded, and its hand-out to the trainer ranks.
+
+Rollout routing replay (ALGORITHMS.md 9) needs, for every trained token and MoE layer, the top-k
+experts the engine chose: 384 ids a token at Qwen3-30B-A3B's 48 layers x top-8. Padded to the
+step's longest sequence and broadcast whole, a 30B-scale batch would be ~120 GiB on every rank
+(examples/qwen3-30b-a3b/README.md). So the batch keeps it as :class:`RoutedRows` (one int16
+``[T_i, L, K]`` tensor a row, only the positions the engine routed), the controller broadcasts the
+batch without it (`RoutedRows.stripped`), and :func:`hand_out` then gives every rank only the rows
+of its data-parallel shares and the layers of its pipeline stage (`RoutedRows.keep`). The replay
+pads one micro-batch at a time (`RoutedRows.padded`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+__all__ = ["RoutedRows", "dp_rows", "hand_out"]
+
+
+@dataclass
+class RoutedRows:
+    """Per batch row, the experts the engine routed each of its first T_i positions to.
+
+    Attributes:
+        rows: one entry a batch row: int16 ``[T_i, len(layers), K]`` (position t of prompt +
+            response, the held layers in ``layers`` order), or None where this rank does not hold
+            the row (another data-parallel rank's, or the batch as broadcast before `hand_out`).
+        layers: the global MoE layer indices the rows hold, ascending.
+        topk: K, experts a token.
+        local: True once `hand_out` ran: the rows this rank needs are here.
+        minis: the mini-batch size (sequences) `hand_out` chose the rows for.
+    """
+
+    rows: list
+    layers: tuple[int, ...]
+    topk: int
+    local: bool = False
+    minis: int | None = None
+    _column: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_samples(cls, rows: Sequence[Any], lengths: Sequence[int]) -> "RoutedRows":
+        """From N arrays (numpy or torch, any int dtype) of shape [T_i, L, K], T_i <= lengths[i].
+
+        Raises:
+            ValueError: a count, shape or length that does not fit (names the row), or expert ids
+                outside [0, 32767] (int16).
+        """
+        if len(rows) != len(lengths):
+            raise ValueError(f"build_train_batch: {len(rows)} routed_experts rows for {len(lengths)} sequences")
+        tensors = [torch.as_tensor(r) for r in rows]
+        shapes = {tuple(t.shape[1:]) for t in tensors}
+        if len(shapes) != 1 or any(t.dim() != 3 for t in tensors):
+            raise ValueError(f"build_train_batch: routed_experts rows must be [tokens, layers, top-k] with one [layers, "
+                             f"top-k] for all rows, got {sorted(shapes)}")
+        layers, k = shapes.pop()
+        out = []
+        for i, (t, length) in enumerate(zip(tensors, lengths)):
+            if t.shape[0] > length:
+                raise ValueError(f"sequence {i}: routing for {t.shape[0]} positions but the sequence has {length} tokens")
+            if t.numel() and (int(t.max()) > 32767 or int(t.min()) < 0):
+                raise ValueError(f"sequence {i}: routed_experts holds expert ids outside [0, 32767]")
+            out.append(t.to(torch.int16).contiguous())
+        return cls(rows=out, layers=tuple(range(layers)), topk=k)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def column(self, layer: int) -> int:
+        """Where global MoE layer `layer` sits in each row's layer axis.
+
+        Raises:
+            ValueError: the rows do not hold that layer.
+        """
+        if not self._column:
+            self._column.update({g: j for j, g in enumerate(self.layers)})
+        if layer not in self._column:
+            raise ValueError(f"routed_experts holds layers {list(self.layers)}, not layer {layer} (routing for another "
+                             "model config, or not handed out for this pipeline stage)")
+        return self._column[layer]
+
+    def _like(self, rows: list) -> "RoutedRows":
+        return RoutedRows(rows=rows, layers=self.layers, topk=self.topk, local=self.local, minis=self.minis)
+
+    def slice(self, start: int, end: int) -> "RoutedRows":
+        """Rows [start, end)."""
+        return self._like(self.rows[start:end])
+
+    def select(self, idx: Sequence[int]) -> "RoutedRows":
+        """Rows `idx`, in that order."""
+        return self._like([self.rows[int(i)] for i in idx])
+
+    def stripped(self) -> "RoutedRows":
+        """The same layout with no rows held: what the controller broadcasts with the batch."""
+        return RoutedRows(rows=[None] * len(self.rows), layers=self.layers, topk=self.topk, local=False)
+
+    def keep(self, row_ids: Sequence[int], layers: Sequence[int]) -> "RoutedRows":
+        """Only rows `row_ids` (the others None) and only `layers` (global indices, each held).
+
+        Raises:
+            ValueError: a layer these rows do not hold.
+        """
+        cols = [self.column(g) for g in layers]
+        every = cols == list(range(len(self.layers)))
+        wanted = set(int(i) for i in row_ids)
+        rows = [None if (i not in wanted or r is None) else (r if every else r[:, cols].contiguous())
+                for i, r in enumerate(self.rows)]
+        return RoutedRows(rows=rows, layers=tuple(layers), topk=self.topk, local=self.local, minis=self.minis)
+
+    def nbytes(self) -> int:
+        """Bytes of the rows held."""
+        return sum(r.numel() * r.element_size() for r in self.rows if r is not None)
+
+    def padded(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(routed [B, width, L, K] int64, valid [B, width] bool)``: positions without routing
+        (the last token, padding) hold the filler ids ``0..K-1`` and are False in ``valid``.
+
+        Raises:
+            ValueError: a row this rank does not hold, or one longer than `width`.
+        """
+        routed = torch.arange(self.topk, dtype=torch.long).expand(len(self.rows), width, len(self.layers),
+                                                                 self.topk).clone()
+        valid = torch.zeros((len(self.rows), width), dtype=torch.bool)
+        for i, r in enumerate(self.rows):
+            if r is None:
+                raise ValueError(f"routed_experts: row {i} of this micro-batch is not held on this rank (the "
+                                 "routing was not handed out for this data-parallel share)")
+            if r.shape[0] > width:
+                raise ValueError(f"routed_experts: row {i} has routing for {r.shape[0]} positions, wider than {width}")
+            routed[i, : r.shape[0]] = r
+            valid[i, : r.shape[0]] = True
+        return routed, valid
+
+
+def dp_rows(n: int, mini_batch_sequences: int | None, dp_size: int, dp_rank: int) -> list[int]:
+    """The batch rows one data-parallel rank trains on: of every mini-batch of
+    `mini_batch_sequences` rows (None = one mini-batch), its contiguous 1/dp_size share (as
+    `PolicyTrainer._dp_share` splits them)."""
+    step = mini_batch_sequences or n
+    out: list[int] = []
+    for a in range(0, n, step):
+        b = min(a + step, n)
+        per = (b - a) // dp_size if dp_size > 1 else b - a
+        out.extend(range(a + dp_rank * per, a + (dp_rank + 1) * per))
+    return out
+
+
+def hand_out(routed: RoutedRows, *, mini_batch_sequences: int | None, dp_size: int, dp_rank: int,
+             layers: Sequence[int]) -> RoutedRows:
+    """Every rank's share of the controller's routing (all ranks of the default group call it).
+
+    The controller (global rank 0) holds every row; each rank says which data-parallel rank it is
+    and which MoE layers it runs, and receives only those rows and layers (one
+    ``scatter_object_list``). Returns this rank's `RoutedRows` with ``local`` True.
+
+    Raises:
+        ValueError: the controller's rows lack a layer a rank asks for.
+    """
+    import torch.distributed as dist
+
+    layers = sorted(int(g) for g in layers)
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        mine = routed.keep(dp_rows(len(routed), mini_batch_sequences, dp_size, dp_rank), layers)
+        mine.local, mine.minis = True, mini_batch_sequences
+        return mine
+    world = dist.get_world_size()
+    needs: list = [None] * world
+    dist.all_gather_object(needs, (dp_rank, layers))
+    parts = None
+    if dist.get_rank() == 0:
+        n = len(routed)
+        parts = [routed.keep(dp_rows(n, mini_batch_sequences, dp_size, d), ls) for d, ls in needs]
+    box: list = [None]
+    dist.scatter_object_list(box, parts, src=0)
+    mine = box[0]
+    mine.local, mine.minis = True, mini_batch_sequences
+    return mine
