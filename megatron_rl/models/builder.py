@@ -126,7 +126,24 @@ def build_layer_spec(hf_config: Mapping[str, Any], *, use_te: bool | None = None
         from megatron_rl.models.sdpa_attention import SDPADotProductAttention
 
         layer.submodules.self_attention.submodules.core_attention = SDPADotProductAttention
+    # torch norms that also run under sequence parallelism (megatron-core's WrappedTorchNorm refuses it)
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    from megatron_rl.models.sp_norm import SequenceParallelTorchNorm
+
+    sub = layer.submodules
+    sub.input_layernorm = sub.pre_mlp_layernorm = SequenceParallelTorchNorm
+    attn = sub.self_attention.submodules
+    for name in ("q_layernorm", "k_layernorm"):
+        if getattr(attn, name, IdentityOp) is not IdentityOp:
+            setattr(attn, name, SequenceParallelTorchNorm)
     return layer
+
+
+def _is_sp_norm(cls) -> bool:
+    from megatron_rl.models.sp_norm import SequenceParallelTorchNorm
+
+    return cls is SequenceParallelTorchNorm
 
 
 def build_model(
@@ -170,6 +187,14 @@ def build_model(
         make_vocab_size_divisible_by=make_vocab_size_divisible_by,
     )
     layer_spec = build_layer_spec(hf_config, use_te=use_te, attention_backend=attention_backend)
+    if layer_spec.submodules.input_layernorm is not None and _is_sp_norm(layer_spec.submodules.input_layernorm):
+        # the local spec: the final norm too (megatron-core would pick WrappedTorchNorm for it)
+        from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+        from megatron_rl.models.sp_norm import SequenceParallelTorchNorm
+
+        layer_spec = TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(tf_config),
+                                                layer_norm=SequenceParallelTorchNorm)
     model = GPTModel(
         config=tf_config,
         transformer_layer_spec=layer_spec,

@@ -20,6 +20,10 @@ available, :func:`enable_cpu_compat` maps them to the CPU:
   allocated on ``torch.cuda.current_device()``, which in the backward pass (where the function
   mode is not active: autograd runs the backward outside it) names a CUDA device. The CPU
   version takes the split sizes as lists and allocates on the input's device;
+- gathers and reduce-scatters along the first dimension with uneven split sizes (the MoE
+  dispatcher with expert TP > 1: each TP rank routes a different number of tokens): gloo needs
+  equal sizes, so the gather pads to the largest and cuts back, and the reduce-scatter
+  all-reduces the whole tensor and keeps this rank's rows (same values; more traffic);
 - CUDA RNG (``torch.cuda.get_rng_state`` / ``set_rng_state`` / ``manual_seed`` and megatron's
   ``_get_cuda_rng_state`` / ``_set_cuda_rng_state``, which go through ``_lazy_call`` and would
   never run) -> the CPU default generator, so the RNG tracker's ``fork`` really switches the
@@ -220,6 +224,42 @@ def _cpu_all_to_all_forward(ctx, group, input, output_split_sizes, input_split_s
     return output
 
 
+def _uneven_gather(original):
+    """megatron-core's ``_gather_along_first_dim`` with gloo for uneven ``output_split_sizes``
+    (gloo's all_gather needs equal sizes): pad to the largest, all-gather, cut each back."""
+    def gather(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return original(input_, group, output_split_sizes, use_global_buffer)
+        import torch.distributed as dist
+
+        sizes = _split_list(output_split_sizes)
+        top = max(sizes)
+        padded = input_.new_zeros([top] + list(input_.shape[1:]))
+        padded[: input_.shape[0]] = input_
+        parts = [torch.empty_like(padded) for _ in sizes]
+        dist.all_gather(parts, padded.contiguous(), group=group)
+        return torch.cat([part[:n] for part, n in zip(parts, sizes)], dim=0)
+
+    return gather
+
+
+def _uneven_reduce_scatter(original):
+    """megatron-core's ``_reduce_scatter_along_first_dim`` with gloo for uneven
+    ``input_split_sizes``: all-reduce the whole input, keep this rank's rows."""
+    def reduce_scatter(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return original(input_, group, input_split_sizes, use_global_buffer)
+        import torch.distributed as dist
+
+        sizes = _split_list(input_split_sizes)
+        total = input_.contiguous().clone()
+        dist.all_reduce(total, group=group)
+        start = sum(sizes[: group.rank()])
+        return total[start : start + sizes[group.rank()]].contiguous()
+
+    return reduce_scatter
+
+
 def _patch_autograd_engine() -> None:
     import torch.autograd
     import torch.autograd.graph
@@ -239,6 +279,9 @@ def _patch_megatron() -> None:
     from megatron.core.tensor_parallel import random as mc_random
 
     _set(mc_mappings._AllToAll, "forward", staticmethod(_cpu_all_to_all_forward))
+    _set(mc_mappings, "_gather_along_first_dim", _uneven_gather(mc_mappings._gather_along_first_dim))
+    _set(mc_mappings, "_reduce_scatter_along_first_dim",
+         _uneven_reduce_scatter(mc_mappings._reduce_scatter_along_first_dim))
     _set(mc_random, "_get_cuda_rng_state", _cpu_get_rng_state)
     _set(mc_random, "_set_cuda_rng_state", _cpu_set_rng_state)
     _state["filter"] = _DropForkWarning()

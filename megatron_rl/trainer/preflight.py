@@ -134,16 +134,15 @@ def fp8(cfg: Config) -> Optional[str]:
 
 
 def sequence_parallel(cfg: Config) -> Optional[str]:
+    """Sequence parallelism runs with Transformer Engine's norms or, without it (e.g. on CPU), with
+    the local spec's `models.sp_norm.SequenceParallelTorchNorm`: nothing to refuse."""
     if not cfg.trainer.sequence_parallel:
         return "not applicable: trainer.sequence_parallel is off"
     from megatron_rl.models.builder import transformer_engine_usable
 
     if not transformer_engine_usable():
-        raise RuntimeError(
-            "trainer.sequence_parallel needs Transformer Engine: megatron-core's local layer spec (used "
-            "without TE, e.g. on CPU) has no sequence-parallel LayerNorm/RMSNorm. Set "
-            "trainer.sequence_parallel=false or install Transformer Engine"
-        )
+        logger.info("trainer.sequence_parallel without Transformer Engine: torch norms marked sequence-parallel "
+                    "(models/sp_norm.py)")
     return None
 
 

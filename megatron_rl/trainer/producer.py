@@ -6,7 +6,7 @@ far, difficulty estimates, token counts) lives in fields of `_StepState`, one pe
 
 With `actor.router_replay` (Mixture-of-Experts policies) the producer asks the rollout manager for
 the engines' routing of every response (`RoutedExpertsSpec` of the model's config) and passes each
-sample's routing into the batch (`TrainBatch.routed_experts` / `routed_valid`).
+sample's routing into the batch (`TrainBatch.routed_experts`, a `RoutedRows`).
 """
 
 from __future__ import annotations

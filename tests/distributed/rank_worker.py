@@ -216,7 +216,10 @@ def scenario_layouts() -> dict:
                               pad_to_multiple_of=tp if sp else 1, routed_experts=routed)
     old = trainer.compute_logprobs(batch, mini_batch_sequences=4)
     # off-policy by a fixed offset so the clip is exercised
-    batch.old_logprobs = old + 0.05 * torch.sign(torch.sin(torch.arange(old.numel(), dtype=torch.float32))).view_as(old)
+    # (a function of (row, position) only: the same offsets whatever padding SP adds to the width; the
+    # +0.02 keeps ppo_kl away from 0, where a relative tolerance would be meaningless)
+    rows_pos = 1000 * torch.arange(old.shape[0]).unsqueeze(1) + torch.arange(old.shape[1]).unsqueeze(0)
+    batch.old_logprobs = old + 0.05 * torch.sign(torch.sin(rows_pos.to(torch.float32))) + 0.02
     trainer.accumulate_gradients(batch.slice(0, 4))
     chunk = tm.model[0].module
     saved = {n: p.detach().clone() for n, p in chunk.named_parameters()}

@@ -4,8 +4,9 @@ The same batch through TP=2, PP=2, DP=2 and TP=2 x PP=2 (gloo, fp32) gives the s
 same gradient of a mini-batch (HF-named, gathered over TP, from every PP stage), the same loss
 metrics and the same weights after one and after two optimizer steps as one process, each tensor
 within 1e-5 norm-wise relative error (||a - b|| / ||b||). Vocabulary-parallel log-probs
-never gather the [B, S, V] logits (trainer.logprobs). Sequence parallelism needs Transformer
-Engine's norms (megatron-core's local spec refuses it), so on CPU it is a launch-time config error.
+never gather the [B, S, V] logits (trainer.logprobs). TP=2 with sequence parallelism runs on the
+local spec with `models.sp_norm.SequenceParallelTorchNorm` (megatron-core's own torch norm refuses
+SP) and equals one process too.
 Token-budget micro-batches (`actor.max_tokens_per_micro_batch` 16 on rows of 4-11 tokens) vary in
 rows and width: through the PP=2 pipeline (shapes exchanged, `variable_seq_lengths`) and on DP=2,
 where the two ranks run different numbers of micro-batches, the result is still the reference's.
@@ -69,8 +70,9 @@ def reference(request, tmp_path_factory):
 
 @pytest.mark.parametrize("tp, pp, world, extra", [
     (2, 1, 2, {}), (1, 2, 2, {}), (1, 1, 2, {}), (2, 2, 4, {}), (1, 1, 2, {"DISTOPT": "1"}),
-    (1, 2, 2, {"BUDGET": "16"}), (1, 1, 2, {"BUDGET": "16"}),
-], ids=["tp2", "pp2", "dp2", "tp2xpp2", "dp2-distributed-optimizer", "pp2-token-budget", "dp2-token-budget"])
+    (1, 2, 2, {"BUDGET": "16"}), (1, 1, 2, {"BUDGET": "16"}), (2, 1, 2, {"SP": "1"}),
+], ids=["tp2", "pp2", "dp2", "tp2xpp2", "dp2-distributed-optimizer", "pp2-token-budget", "dp2-token-budget",
+        "tp2-sequence-parallel"])
 def test_layout_equals_one_process(reference, tmp_path, tp, pp, world, extra):
     tie, ref = reference
     got = _run(tmp_path, f"tp{tp}pp{pp}w{world}", tp, pp, world, tie=tie, extra=extra)
@@ -111,9 +113,11 @@ def moe_reference(request, tmp_path_factory):
                         extra={"ARCH": "qwen3_moe", "REPLAY": replay})
 
 
-@pytest.mark.parametrize("tp, pp, ep, world", [(1, 1, 2, 2), (1, 2, 2, 4)], ids=["ep2", "pp2xep2"])
+@pytest.mark.parametrize("tp, pp, ep, world", [(1, 1, 2, 2), (1, 2, 2, 4), (2, 1, 1, 2), (2, 1, 2, 4)],
+                         ids=["ep2", "pp2xep2", "tp2sp", "tp2spxep2"])
 def test_moe_layout_equals_one_process(moe_reference, tmp_path, tp, pp, ep, world):
-    """A tiny Qwen3-MoE (4 experts, top-2): EP2 (DP2, two experts a rank) and PP2 x EP2 (world 4)
+    """A tiny Qwen3-MoE (4 experts, top-2): EP2 (DP2, two experts a rank), PP2 x EP2 (world 4),
+    TP2 + SP (megatron-core requires SP for MoE with TP) and TP2 + SP x EP2 (world 4, expert TP 2)
     give the one-process log-probs, mini-batch gradients (experts gathered over EP into HF names),
     loss metrics and weights after each of two PPO updates, with the routers choosing by
     themselves and with the batch's (random) engine routing replayed. The router-mismatch metric
@@ -121,7 +125,7 @@ def test_moe_layout_equals_one_process(moe_reference, tmp_path, tp, pp, ep, worl
     statistics are per rank)."""
     replay, ref = moe_reference
     got = _run(tmp_path, f"moe-tp{tp}pp{pp}ep{ep}", tp, pp, world,
-               extra={"ARCH": "qwen3_moe", "EP": str(ep), "REPLAY": replay})
+               extra={"ARCH": "qwen3_moe", "EP": str(ep), "REPLAY": replay, "SP": "1" if tp > 1 else "0"})
     # random engine routing against a router that picks 2 of 4: most positions differ, never all
     assert 0.3 < ref["routing"]["train/router_mismatch"] < 1.0
     assert got["routing"] == pytest.approx(ref["routing"], abs=1e-12)

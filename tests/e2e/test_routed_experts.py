@@ -434,12 +434,13 @@ def test_producer_passes_each_samples_routing_into_the_batch(server, model_dir):
         finally:
             manager.close()
     batch, samples = produced.batch, produced.samples
-    assert len(samples) == 6 and batch.routed_experts.shape[:2] == batch.input_ids.shape
-    assert batch.routed_experts.shape[2:] == (LAYERS, TOPK)
+    assert len(samples) == 6 and len(batch.routed_experts) == len(batch.input_ids)
+    assert batch.routed_experts.layers == tuple(range(LAYERS)) and batch.routed_experts.topk == TOPK
+    routed, valid = batch.routed_experts.padded(batch.input_ids.shape[1])
     hf = load_hf(model_dir)
     for i, s in enumerate(samples):
         n = len(s.prompt_ids) + len(s.response_ids) - 1
         assert s.routed_experts.shape == (n, LAYERS, TOPK)
-        assert torch.equal(batch.routed_experts[i, :n], torch.as_tensor(s.routed_experts).long())
-        assert batch.routed_valid[i, :n].all() and not batch.routed_valid[i, n:].any()
+        assert torch.equal(routed[i, :n], torch.as_tensor(s.routed_experts).long())
+        assert valid[i, :n].all() and not valid[i, n:].any()
         check_routing(s.routed_experts, hf, list(s.prompt_ids) + list(s.response_ids))
