@@ -20,8 +20,8 @@ from megatron_rl.algorithms.options import (ADV_ESTIMATOR_SPECS, CONDITIONAL_REM
                                             OLD_LOGPROB_SOURCES, POLICY_LOSS_OPTIONS, ROLLOUT_CORRECTION_OPTIONS,
                                             check_choice, check_positive, option_bases)
 from megatron_rl.config.moe import ExpertOptions
+from megatron_rl.config.rollout_checks import RolloutChecks
 from megatron_rl.errors import ConfigError
-
 
 ROLLOUT_BACKEND_PORTS: dict[str, int] = {"embedded": 1, "sglang": 2, "vllm": 1, "vllm-embedded": 1}
 """`rollout.backend` names -> TCP ports one engine of that backend needs (HTTP first; SGLang then its
@@ -85,7 +85,7 @@ class DataConfig:
 
 
 @dataclass(kw_only=True)
-class RolloutConfig:
+class RolloutConfig(RolloutChecks):
     backend: str = "embedded"
     """Which servers `megatron-rl train` starts (or, with `server_urls`, which API the given ones
     speak): `embedded` (the project's HF-transformers server speaking SGLang's HTTP API), `sglang`
@@ -195,6 +195,7 @@ class RolloutConfig:
         _positive("rollout", "tp_size", self.tp_size)
         _positive("rollout", "over_sampling_batch_size", self.over_sampling_batch_size, allow_zero=True)
         _positive("rollout", "max_server_restarts", self.max_server_restarts, allow_zero=True)
+        self._check_rollout_checks()  # config/rollout_checks.py
         _choice("rollout", "pause_mode", self.pause_mode, ("abort", "in_place"))
         if self.partial_rollout and self.pause_mode != "abort":
             raise ConfigError("rollout.partial_rollout: true needs rollout.pause_mode: abort (with in_place nothing "

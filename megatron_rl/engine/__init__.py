@@ -5,6 +5,7 @@ Run as its own process::
     python -m megatron_rl.engine --model-path DIR [--host 127.0.0.1] [--port 30000]
         [--dtype float32] [--api-key K] [--admin-api-key K] [--weight-version V]
         [--max-batch-size 256] [--random-seed S] [--enable-deterministic-inference]
+        [--context-length N]
 
 It speaks the subset of SGLang's API that the trainer uses (docs/SGLANG_API.md), with
 the same request fields, the same strict ``sampling_params``, the same ``{}``-body rule for

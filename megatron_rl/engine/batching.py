@@ -127,6 +127,13 @@ class GenerationEngine:
             every model forward, under ``model_lock`` (tests record what each forward sees; see
             ``megatron_rl.engine.test_hooks``). None in normal use.
         step_delay_s: seconds slept before every step, outside the lock (tests only: slow decoding).
+        context_length: tokens a sequence (prompt + output) may hold (SGLang's ``--context-length``);
+            None = the model's ``max_position_embeddings``. Must be >= 2 and at most that.
+        processed_logprobs: report ``log_softmax(logits / temperature)`` of each sampled token instead
+            of the raw policy's (tests only: a misconfigured engine, ``test_hooks.PROCESSED_LOGPROBS_ENV``).
+
+    Raises:
+        ValueError: ``max_batch_size`` < 1 or ``context_length`` out of range.
     """
 
     def __init__(
@@ -140,6 +147,8 @@ class GenerationEngine:
         weight_version: str = "default",
         on_forward: Callable[[str], None] | None = None,
         step_delay_s: float = 0.0,
+        context_length: int | None = None,
+        processed_logprobs: bool = False,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -148,6 +157,11 @@ class GenerationEngine:
         self.max_batch_size = 1 if deterministic else max_batch_size
         self.weight_version = weight_version
         self.max_context_len = int(getattr(model.config, "max_position_embeddings", 1 << 30))
+        if context_length is not None and not 2 <= context_length <= self.max_context_len:
+            raise ValueError(f"context_length must be in [2, {self.max_context_len}] (the model's "
+                             f"max_position_embeddings), got {context_length}")
+        self.max_context_len = context_length or self.max_context_len
+        self.processed_logprobs = processed_logprobs
         self.vocab_size = int(model.config.vocab_size)
         self.model_lock = threading.Lock()
         self._cv = threading.Condition()
@@ -625,6 +639,9 @@ class GenerationEngine:
         Rows whose parameters are plain (``sampling.is_plain``, no stop id masked) are drawn together
         (``sample_plain_rows``); the others one by one (``sample_token``): the same token either way."""
         logp = torch.log_softmax(logits, dim=-1)  # (B, V) raw policy log-probs
+        if self.processed_logprobs:  # tests only: an engine reporting temperature-scaled ones (greedy: raw)
+            temps = torch.tensor([r.params.temperature or 1.0 for r in b.reqs], dtype=logits.dtype)[:, None]
+            logp = torch.log_softmax(logits / temps, dim=-1)  # (B, V)
         finished: list[tuple[Request, dict]] = []
         tokens: dict[int, int] = {}
         plain: list[int] = []

@@ -19,7 +19,8 @@ import torch
 from megatron_rl.engine.app import ServerState, build_app
 from megatron_rl.engine.batching import GenerationEngine
 from megatron_rl.weight_sync.session import UpdateSession
-from megatron_rl.engine.test_hooks import FAULT_REFUSE_UPDATES_ENV, forward_recorder, refused_update_calls, step_delay_s
+from megatron_rl.engine.test_hooks import (FAULT_REFUSE_UPDATES_ENV, forward_recorder, processed_logprobs,
+                                           refused_update_calls, step_delay_s)
 from megatron_rl.weight_sync.buckets import dtype_from_name
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,12 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--admin-api-key", default=None, help="Bearer key required by the control endpoints")
     p.add_argument("--weight-version", default="default", help="initial weight version label")
     p.add_argument("--max-batch-size", type=int, default=256, help="most sequences decoded together")
+    p.add_argument(
+        "--context-length", "--max-model-len", dest="context_length", type=int, default=None,
+        help="tokens a sequence (prompt + output) may hold (SGLang's --context-length, vLLM's --max-model-len; "
+        "reported by /server_info context_length and /v1/models max_model_len); default the model's "
+        "max_position_embeddings, which it may not exceed",
+    )
     p.add_argument("--random-seed", type=int, default=0, help="seeds requests that carry no sampling_seed")
     p.add_argument(
         "--enable-deterministic-inference",
@@ -123,6 +130,8 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error(f"--port {args.port}: must be 1-65535")
     if args.max_batch_size < 1:
         parser.error(f"--max-batch-size {args.max_batch_size}: must be >= 1")
+    if args.context_length is not None and args.context_length < 2:
+        parser.error(f"--context-length {args.context_length}: must be >= 2 (a prompt token and an output token)")
     if args.weight_sync_timeout_s <= 0:
         parser.error(f"--weight-sync-timeout-s {args.weight_sync_timeout_s}: must be > 0")
     with socket.socket() as sock:  # the port is free now (uvicorn binds it after the model loads)
@@ -199,6 +208,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         weight_version=args.weight_version,
         on_forward=forward_recorder(model),
         step_delay_s=step_delay_s(),
+        context_length=args.context_length,
+        processed_logprobs=processed_logprobs(),
     )
     if args.enable_return_routed_experts and not engine.routers.supported:
         logger.warning("--enable-return-routed-experts: the model (%s) has no Mixture-of-Experts router; no "
@@ -213,9 +224,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         app = build_app(state)
     logger.info(
-        "serving on http://%s:%d (%s dialect, eos ids %s, weight_version %s)", args.host, args.port,
-        args.api_dialect, eos, args.weight_version
+        "serving on http://%s:%d (%s dialect, eos ids %s, weight_version %s, context %d tokens)", args.host, args.port,
+        args.api_dialect, eos, args.weight_version, engine.max_context_len
     )
+    if engine.processed_logprobs:
+        logger.warning("%s=1: reporting temperature-scaled log-probs (a stand-in for a misconfigured engine, "
+                       "tests only)", "MEGATRON_RL_FAULT_PROCESSED_LOGPROBS")
     # keep idle connections longer than clients keep them (KEEPALIVE_EXPIRY_S) so the server is
     # never the side that closes a connection a client is about to reuse
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False, timeout_keep_alive=75)

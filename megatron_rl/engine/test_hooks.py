@@ -4,7 +4,7 @@ The trainer's recovery paths (a refused bucket, a sync retried, a group re-creat
 reach with a healthy server; the variables below make the server fail on purpose, so that the
 end-to-end tests (tests/e2e/test_weight_sync.py, tests/e2e/test_sync_faults.py) can reach them.
 They are read once, when the server starts (``refused_update_calls``, ``step_delay_s``,
-``forward_recorder``).
+``forward_recorder``, ``processed_logprobs``).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import os
 import threading
 from collections.abc import Callable
 
-__all__ = ["FAULT_REFUSE_UPDATES_ENV", "FORWARD_LOG_ENV", "STEP_DELAY_ENV", "forward_recorder",
-           "refused_update_calls", "step_delay_s"]
+__all__ = ["FAULT_REFUSE_UPDATES_ENV", "FORWARD_LOG_ENV", "PROCESSED_LOGPROBS_ENV", "STEP_DELAY_ENV",
+           "forward_recorder", "processed_logprobs", "refused_update_calls", "step_delay_s"]
 
 FAULT_REFUSE_UPDATES_ENV = "MEGATRON_RL_FAULT_REFUSE_WEIGHT_UPDATES"
 """Fault injection, for tests of the trainer's sync retry: a comma-separated list of 1-based
@@ -89,3 +89,24 @@ def forward_recorder(model) -> Callable[[str], None] | None:
             f.write(line + "\n")
 
     return record
+
+
+PROCESSED_LOGPROBS_ENV = "MEGATRON_RL_FAULT_PROCESSED_LOGPROBS"
+"""Fault injection, a stand-in for a misconfigured engine (tests of the start-up check,
+``megatron_rl.rollout.engine_checks``): ``1`` makes the server report each sampled token's log-prob
+after temperature scaling, ``log_softmax(logits / temperature)``, as SGLang does without
+``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` (and vLLM with ``--logprobs-mode processed_logprobs`` at
+top-p 1), instead of the unscaled policy's; greedy requests and prompt log-probs stay raw, as in
+both engines. Unset (or ``0``) in normal use."""
+
+
+def processed_logprobs() -> bool:
+    """Whether ``PROCESSED_LOGPROBS_ENV`` is ``1`` (False when unset, blank or ``0``).
+
+    Raises:
+        ValueError: any other value (the message names the variable).
+    """
+    raw = os.environ.get(PROCESSED_LOGPROBS_ENV, "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{PROCESSED_LOGPROBS_ENV}={raw!r}: expected 1 (report temperature-scaled log-probs) or 0")
+    return raw == "1"

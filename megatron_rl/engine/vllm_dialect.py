@@ -7,6 +7,7 @@ vLLM's source files), so that ``VLLMClient`` and the trainer's whole vLLM path r
 
 Paths: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions`` (token-id prompts; answers
 ``choices[0].token_ids``, ``logprobs.token_logprobs``/``tokens`` as ``token_id:<id>``,
+``prompt_logprobs`` (``prompt_logprobs: 0`` only: each prompt token's own log-prob),
 ``finish_reason`` stop|length|abort, ``stop_reason``, ``usage``, and with ``--enable-return-routed-experts``
 on a Mixture-of-Experts model ``choices[0].routed_experts``: base64 ``.npy`` of uint8/uint16
 [prompt + completion - 1 - ``routed_experts_prompt_start``, L, K], vLLM 0.33's encoding),
@@ -100,6 +101,7 @@ class CompletionBody(BaseModel):
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     n: int = 1
     stream: bool | None = False
     echo: bool | None = False
@@ -187,7 +189,10 @@ def completion_response(out: dict, *, request_id: str, model: str, stop_token_id
                         with_logprobs: bool, routed_experts: str | None = None) -> dict:
     """vLLM's ``CompletionResponse`` for one finished request, from the engine's SGLang-shaped answer;
     ``routed_experts`` is the choice's field as vLLM encodes it (``moe.encode_routed_experts_npy``;
-    None: the server runs without ``--enable-return-routed-experts`` or no forward ran)."""
+    None: the server runs without ``--enable-return-routed-experts`` or no forward ran).
+    ``prompt_logprobs`` (asked with ``prompt_logprobs: 0``: the answer's ``input_token_logprobs`` from
+    position 0) is vLLM's list, one entry per prompt token, None for the first, else
+    ``{"<id>": {"logprob", "rank": null, "decoded_token": null}}`` (no tokenizer, no rank here)."""
     meta, ids = out["meta_info"], list(out["output_ids"])
     finish = meta["finish_reason"] or {}
     ftype, matched = finish.get("type"), finish.get("matched")
@@ -201,13 +206,18 @@ def completion_response(out: dict, *, request_id: str, model: str, stop_token_id
         tokens = [f"token_id:{t}" for t in ids]
         logprobs = {"text_offset": [0] * len(ids), "token_logprobs": lps, "tokens": tokens,
                     "top_logprobs": [{tok: lp} for tok, lp in zip(tokens, lps)]}
+    prompt_logprobs = None
+    if "input_token_logprobs" in meta:
+        prompt_logprobs = [None if lp is None else {str(tok): {"logprob": float(lp), "rank": None,
+                                                               "decoded_token": None}}
+                           for lp, tok, _ in meta["input_token_logprobs"]]
     return {
         "id": f"cmpl-{request_id}",
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
         "choices": [{"index": 0, "text": "", "logprobs": logprobs, "finish_reason": ftype, "stop_reason": stop_reason,
-                     "token_ids": ids, "prompt_logprobs": None, "prompt_token_ids": None,
+                     "token_ids": ids, "prompt_logprobs": prompt_logprobs, "prompt_token_ids": None,
                      "routed_experts": routed_experts}],
         "usage": {"prompt_tokens": meta["prompt_tokens"], "completion_tokens": meta["completion_tokens"],
                   "total_tokens": meta["prompt_tokens"] + meta["completion_tokens"]},
@@ -289,9 +299,13 @@ def build_vllm_app(state: ServerState) -> FastAPI:
         if routed and body.routed_experts_prompt_start > len(body.prompt):
             return error(f"routed_experts_prompt_start={body.routed_experts_prompt_start} is longer than the prompt "
                          f"({len(body.prompt)} tokens)")
+        if body.prompt_logprobs not in (None, 0):
+            return error(f"prompt_logprobs={body.prompt_logprobs}: the stand-in returns each prompt token's own "
+                         "log-prob only (prompt_logprobs: 0)")
+        scored = body.prompt_logprobs is not None
         prompt = _Prompt(prompt=list(body.prompt), params=params, rid=f"cmpl-{request_id}-0",
-                         return_logprob=body.logprobs is not None, return_routed_experts=routed,
-                         routed_start=body.routed_experts_prompt_start if routed else 0)
+                         return_logprob=body.logprobs is not None or scored, logprob_start_len=0 if scored else -1,
+                         return_routed_experts=routed, routed_start=body.routed_experts_prompt_start if routed else 0)
         gen = (await run_requests(state, [prompt], raw=True))[0]
         out = response_of(gen, routed=False)
         rows = gen.routed_experts()

@@ -349,6 +349,45 @@ class RolloutClient(HTTPEngineClient):
         """Tensor-parallel size of the server (its number of ranks in a weight-update group)."""
         return int(self.server_info().get("tp_size", 1))
 
+    def context_length(self) -> int | None:
+        """Tokens prompt + response may hold (SGLang refuses ``input + max_new_tokens`` beyond its
+        context): the smaller of ``/server_info``'s ``context_length`` (SGLang reports it when started
+        with ``--context-length``, null otherwise: the model's, which the config check compares with
+        the data lengths) and ``max_total_num_tokens`` (the KV pool); None when it reports neither."""
+        info = self.server_info()
+        known = [int(info[k]) for k in ("context_length", "max_total_num_tokens")
+                 if isinstance(info.get(k), int) and not isinstance(info.get(k), bool) and info[k] > 0]
+        return min(known, default=None)
+
+    def score_tokens(self, prompt_ids: list[int], continuation_ids: list[int], *,
+                     timeout_s: float | None = None) -> list[float]:
+        """``RolloutEngine.score_tokens``: one ``/generate`` of prompt + continuation with
+        ``return_logprob``, ``logprob_start_len`` = P and one new token at temperature 1; the last C
+        entries of ``meta_info.input_token_logprobs`` (SGLang computes them from the raw logits).
+
+        Raises:
+            ValueError: an empty prompt or continuation.
+            RolloutServerError: HTTP error, or an answer without C log-probs of those ids.
+        """
+        if not prompt_ids or not continuation_ids:
+            raise ValueError("score_tokens needs a prompt and a continuation of at least one token each")
+        ids = [int(t) for t in [*prompt_ids, *continuation_ids]]
+        body = {"input_ids": ids, "return_logprob": True, "logprob_start_len": len(prompt_ids),
+                "sampling_params": {"max_new_tokens": 1, "temperature": 1.0, "top_p": 1.0, "top_k": -1}}
+        data = self.generate_raw(body, timeout_s=timeout_s)
+        entries = (data.get("meta_info") or {}).get("input_token_logprobs") if isinstance(data, dict) else None
+        tail = list(entries or [])[-len(continuation_ids):]
+        try:
+            if [int(e[1]) for e in tail] != [int(t) for t in continuation_ids]:
+                raise ValueError
+            return [float(e[0]) for e in tail]
+        except (TypeError, ValueError, IndexError):
+            raise RolloutServerError(f"/generate at {self.base_url}: meta_info.input_token_logprobs "
+                                     f"{str(entries)[:300]} do not score the {len(continuation_ids)} tokens "
+                                     f"{list(continuation_ids)[:8]} "
+                                     f"after position {len(prompt_ids)}", url=self.base_url, status_code=200,
+                                     body=data) from None
+
     # ---- generation ---------------------------------------------------------------------
 
     def generate_raw(self, body: dict, *, timeout_s: float | None = None) -> Any:

@@ -127,6 +127,23 @@ class RolloutEngine(abc.ABC):
     def tp_size(self) -> int:
         """Tensor-parallel workers of the engine (ranks it adds to a weight-update group)."""
 
+    def context_length(self) -> int | None:
+        """Tokens one sequence (prompt + response) may hold on this engine; None when the engine
+        does not say (this default). SGLang: `/server_info`; vLLM: `/v1/models` `max_model_len`."""
+        return None
+
+    def score_tokens(self, prompt_ids: list[int], continuation_ids: list[int], *,
+                     timeout_s: float | None = None) -> list[float]:
+        """The engine's log-probs of `continuation_ids` ([C] token ids) read as prompt tokens after
+        `prompt_ids` ([P] token ids): [C] floats, nats, of the unscaled policy (prompt log-probs pass
+        no sampling step in either engine). Used by the start-up check of the reported log-probs
+        (`megatron_rl.rollout.engine_checks`).
+
+        Raises:
+            NotImplementedError: this default (an engine without prompt log-probs).
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot score prompt tokens")
+
     # ---- the weight-update session -----------------------------------------------------------
     @abc.abstractmethod
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,

@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_rl.config.rollout_checks import VLLM_LOGPROBS_MODE, vllm_logprobs_mode
 from megatron_rl.ports import find_free_port
 from megatron_rl.errors import RolloutServerError
 from megatron_rl.models.hub import resolve_model_path
@@ -497,6 +498,8 @@ def build_vllm_command(
     run by the interpreter of vLLM's own environment. The dev-mode routes it needs (pause, weight
     transfer) are on only with ``VLLM_SERVER_DEV_MODE=1`` in its environment (the `vllm` backend
     sets it; so does slurm/lib/engine.sh, which prints this line with ``jobtool.py vllm-cmd``).
+    ``--logprobs-mode raw_logprobs`` is always given: the policy's log-probs before temperature and
+    top-k/top-p (vLLM's default, pinned so that no flag can change it; ALGORITHMS.md section 8).
 
     Args:
         python: interpreter of the environment where vLLM is installed.
@@ -510,16 +513,22 @@ def build_vllm_command(
             default, prefix caching on, the default, and pipeline_parallel_size 1).
 
     Raises:
-        ValueError: ``tp_size < 1`` or ``gpu_memory_utilization`` outside (0, 1).
+        ValueError: ``tp_size < 1``, ``gpu_memory_utilization`` outside (0, 1), or ``extra_args``
+            setting another ``--logprobs-mode`` (the message names the flag and the value).
     """
     if tp_size < 1:
         raise ValueError(f"tp_size must be >= 1, got {tp_size}")
     if gpu_memory_utilization is not None and not 0.0 < gpu_memory_utilization < 1.0:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1), got {gpu_memory_utilization}")
+    mode = vllm_logprobs_mode([str(a) for a in extra_args])
+    if mode is not None and mode != VLLM_LOGPROBS_MODE:
+        raise ValueError(f"vLLM flags (rollout.vllm_extra_args): --logprobs-mode {mode} conflicts with the pinned "
+                         f"--logprobs-mode {VLLM_LOGPROBS_MODE} (the trainer needs the policy's log-probs before "
+                         "temperature and top-k/top-p); remove it")
     cmd = [
         python, "-m", "vllm.entrypoints.cli.main", "serve", str(model_path), "--host", host,
         "--port", str(port), "--tensor-parallel-size", str(tp_size),
-        "--weight-transfer-config", json.dumps({"backend": "nccl"}),
+        "--weight-transfer-config", json.dumps({"backend": "nccl"}), "--logprobs-mode", VLLM_LOGPROBS_MODE,
     ]
     if gpu_memory_utilization is not None:
         cmd += ["--gpu-memory-utilization", str(gpu_memory_utilization)]

@@ -162,6 +162,10 @@ class RolloutManager:
         routed_experts: the policy's MoE layout (`RoutedExpertsSpec`) when every response must carry
             the engine's routing (`actor.router_replay`); None (default): not asked for. Also set
             later by `request_routed_experts`.
+        context_limit: `(tokens, engine URL)` of the shortest engine context
+            (`engine_checks.engine_context_limit`): a prompt whose tokens plus the response budget
+            exceed it is refused before it is sent (`ValueError` naming the row); None (default):
+            not checked.
     """
 
     def __init__(
@@ -182,6 +186,7 @@ class RolloutManager:
         partial_rollout: bool = False,
         pause_timeout_s: float = 3600.0,
         routed_experts=None,
+        context_limit: tuple[int, str] | None = None,
     ) -> None:
         from megatron_rl.rollout.fleet import ServerFleet
 
@@ -202,6 +207,7 @@ class RolloutManager:
         self.pause_timeout_s = pause_timeout_s
         self.routed_experts = routed_experts
         """`RoutedExpertsSpec` of the routing every response carries, or None."""
+        self.context_limit = context_limit
         self.gate = self.fleet.gate
         self._own_aborts: set[str] = set()
         self._own_lock = threading.Lock()
@@ -233,6 +239,21 @@ class RolloutManager:
             self._prompt_cache[row.prompt_key] = ids
         return ids
 
+    def check_fits(self, row: PromptRow, ids: list[int], max_new_tokens: int) -> None:
+        """Refuse `row` (its prompt `ids`) when prompt + `max_new_tokens` exceed `context_limit`.
+
+        Raises:
+            ValueError: naming the row, the prompt length, the response budget, the limit and the engine.
+        """
+        if self.context_limit is not None and len(ids) + max_new_tokens > self.context_limit[0]:
+            limit, url = self.context_limit
+            raise ValueError(
+                f"prompt {row.prompt_key} ({row.origin or 'no file row'}) has {len(ids)} tokens; with the response "
+                f"budget of {max_new_tokens} tokens (data.max_response_length, eval.max_response_length for "
+                f"evaluation) that is {len(ids) + max_new_tokens} > {limit}, the context limit of the rollout engine "
+                f"at {url}: lower data.max_prompt_length (longer prompts are refused) or the response budget, or "
+                f"start the engine with a longer context")
+
     def generate(
         self,
         rows: Sequence[PromptRow],
@@ -252,6 +273,8 @@ class RolloutManager:
         """
         max_new = max_new_tokens or self.max_response_length
         futures = []
+        for row in rows:  # every row checked before any request goes out
+            self.check_fits(row, self.prompt_ids(row), max_new)
         for i, row in enumerate(rows):
             ids = self.prompt_ids(row)
             params = [dict(sampling_params, max_new_tokens=max_new, sampling_seed=derive_seed(*seed_parts, i, j))
@@ -499,6 +522,8 @@ class RolloutManager:
         tag = f"s{step}-b{gen_batch}"
         max_new = self.max_response_length
         futures: dict = {}
+        for row in rows:
+            self.check_fits(row, self.prompt_ids(row), max_new)
         for i, row in enumerate(rows):
             ids = self.prompt_ids(row)
             params = [dict(sampling_params, max_new_tokens=max_new,

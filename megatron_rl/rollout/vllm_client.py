@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import uuid
 from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
@@ -308,6 +309,42 @@ class VLLMClient(HTTPEngineClient):
             return int(self._dict("GET", "/get_world_size", ("world_size",))["world_size"])
         except (TypeError, ValueError):
             raise _shape_error("GET /get_world_size", "world_size is not an integer", None) from None
+
+    def context_length(self) -> int | None:
+        """``GET /v1/models`` ``data[0].max_model_len``: tokens prompt + completion may hold (vLLM
+        refuses ``prompt + max_tokens`` beyond it); None when the card has none."""
+        value = self.model_info().get("max_model_len")
+        return int(value) if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+    def score_tokens(self, prompt_ids: list[int], continuation_ids: list[int], *,
+                     timeout_s: float | None = None) -> list[float]:
+        """``RolloutEngine.score_tokens``: one ``/v1/completions`` of prompt + continuation with
+        ``prompt_logprobs: 0`` and one token at temperature 1; the entries of
+        ``choices[0].prompt_logprobs`` from position P on, each ``{"<id>": {"logprob", ...}}`` (vLLM
+        computes prompt log-probs from the raw logits whatever ``--logprobs-mode`` says).
+
+        Raises:
+            ValueError: an empty prompt or continuation.
+            RolloutServerError: HTTP error, or an answer without a log-prob of each of those ids.
+        """
+        if not prompt_ids or not continuation_ids:
+            raise ValueError("score_tokens needs a prompt and a continuation of at least one token each")
+        rid = f"score-{uuid.uuid4().hex}"
+        body = completion_body([*prompt_ids, *continuation_ids], {"max_new_tokens": 1, "temperature": 1.0,
+                                                                  "top_p": 1.0}, rid, return_logprob=False)
+        body["prompt_logprobs"] = 0
+        self._check_awake(rid)
+        data = self._check(self._request("POST", "/v1/completions", json=body,
+                                         timeout_s=timeout_s or self.generate_timeout_s), "/v1/completions")
+        try:
+            entries = data["choices"][0]["prompt_logprobs"][len(prompt_ids):]
+            if len(entries) != len(continuation_ids):
+                raise ValueError
+            return [float(e[str(int(t))]["logprob"]) for e, t in zip(entries, continuation_ids)]
+        except (KeyError, IndexError, TypeError, ValueError):
+            raise _shape_error(f"/v1/completions at {self.base_url} with prompt_logprobs",
+                               f"no prompt_logprobs entry for each of the {len(continuation_ids)} tokens "
+                               f"{list(continuation_ids)[:8]} after position {len(prompt_ids)}", data) from None
 
     def is_paused(self) -> bool:
         """``GET /is_paused``."""

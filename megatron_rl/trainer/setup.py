@@ -357,6 +357,26 @@ def _node_engine_urls(run: Run, engines) -> list[str]:
     return [u for urls, _ in everyone for u in urls]
 
 
+def _check_engines(run: Run, clients) -> tuple[int, str] | None:
+    """Before step 1 (issue 32): every engine reports the policy's own log-probs (unless
+    `rollout.check_logprob_semantics` is false; `rollout/engine_checks.py`); returns the shortest
+    engine context as `(tokens, URL)` for the rollout manager, None when no engine reports one.
+
+    Raises:
+        RolloutServerError: an engine reports other log-probs (named, with the setting that fixes it).
+    """
+    from megatron_rl.rollout.engine_checks import check_engines, engine_context_limit
+
+    r = run.cfg.rollout
+    if r.check_logprob_semantics:
+        vocab = min(len(run.tokenizer), int(run.hf_config.get("vocab_size") or len(run.tokenizer)))
+        check_engines(clients, vocab_size=vocab, backend=r.backend, timeout_s=r.timeout_s)
+    else:
+        logger.warning("rollout.check_logprob_semantics is false: the engines' log-probs are taken as the policy's "
+                       "unchecked (actor.old_logprob_source: rollout and the rollout correction rely on them)")
+    return engine_context_limit(clients)
+
+
 def _connect_controller(run: Run, stack: contextlib.ExitStack, remote_urls=()) -> None:
     """Controller: engines (`remote_urls`: other nodes' colocated ones), rollout manager + reward
     pool, producer, metrics writer."""
@@ -367,6 +387,7 @@ def _connect_controller(run: Run, stack: contextlib.ExitStack, remote_urls=()) -
 
     cfg, r = run.cfg, run.cfg.rollout
     fleet = run.engines.connect(remote_urls)
+    context_limit = _check_engines(run, fleet.clients)
     pool = stack.enter_context(RewardPool(cfg.reward.num_workers, cfg.reward.timeout_s))
     ob = cfg.reward.overlong_buffer
     eos = {run.tokenizer.eos_token_id} if run.tokenizer.eos_token_id is not None else set()
@@ -376,7 +397,7 @@ def _connect_controller(run: Run, stack: contextlib.ExitStack, remote_urls=()) -
         correct_score=cfg.reward.correct_score, incorrect_score=cfg.reward.incorrect_score,
         overlong=(ob.enable, ob.len, ob.penalty_factor), seed=cfg.trainer.seed,
         max_concurrency=r.max_concurrency, eos_token_ids=sorted(eos), partial_rollout=r.partial_rollout,
-        pause_timeout_s=cfg.weight_sync.timeout_s + r.timeout_s,
+        pause_timeout_s=cfg.weight_sync.timeout_s + r.timeout_s, context_limit=context_limit,
     )
     stack.callback(manager.close)
     run.producer = RolloutProducer(cfg, manager, run.dataset, run.tracker, pad_id=run.pad_id, dp_size=run.pgs.dp_size)

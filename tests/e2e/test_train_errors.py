@@ -1,6 +1,7 @@
 """`megatron-rl train` on bad input: clear errors, no orphan servers (issue: main job, 'Done when')."""
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -34,10 +35,10 @@ def random_model(tmp_path_factory):
     return out
 
 
-def _train(args, run_dir, timeout=420):
+def _train(args, run_dir, timeout=420, env=None):
     cmd = [sys.executable, "-m", "megatron_rl.cli", "train", "--config", str(ROOT / "examples" / "tiny" / "ci.yaml"),
            f"run_dir={run_dir}", "trainer.progress_bar=false", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
 
 
 def _no_server_left(run_dir: Path) -> bool:
@@ -100,4 +101,21 @@ def test_overlong_prompt_fails_before_training(tmp_path):
     assert out.returncode == 1, out.stderr[-2000:]
     assert f"{bad}: line 25" in out.stderr and "data.filter_overlong_prompts" in out.stderr
     assert not (run_dir / "metrics.jsonl").exists()  # refused at launch, not at step 3
+    assert _no_server_left(run_dir)
+
+
+def test_engine_reporting_scaled_logprobs_stops_the_run_before_step_1(tmp_path):
+    """Issue 32: an engine whose log-probs are not the policy's (the embedded server under its fault hook
+    reports `log_softmax(logits / temperature)`, as SGLang does without SGLANG_RETURN_ORIGINAL_LOGPROB) is
+    refused once the engines are up, before the weights are published or anything is trained, naming the
+    engine and the setting that fixes it (the CI recipe's tiny SFT'd model; rollout.check_logprob_semantics
+    defaults to true)."""
+    run_dir = tmp_path / "run"
+    out = _train(["eval.before_train=false"], run_dir, timeout=300,
+                 env={**os.environ, "MEGATRON_RL_FAULT_PROCESSED_LOGPROBS": "1"})
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "RolloutServerError: rollout engine http://127.0.0.1:" in out.stderr
+    assert "does not report the policy's log-probs" in out.stderr
+    assert "Fix: set SGLANG_RETURN_ORIGINAL_LOGPROB=1 in the SGLang server's environment" in out.stderr
+    assert not (run_dir / "metrics.jsonl").exists()  # stopped before step 1
     assert _no_server_left(run_dir)

@@ -30,6 +30,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from megatron_rl.errors import RolloutServerError
 from megatron_rl.rollout.vllm_client import VLLMClient, result_from_vllm
 
 
@@ -258,3 +259,36 @@ def test_client_parses_vllms_completion_answers(vllm_side):
         assert (r.stop_reason, r.matched_stop) == (reason, matched)
         assert r.output_ids == spec["token_ids"] and r.output_logprobs == spec["logprobs"]
         assert r.prompt_tokens == 3 and r.completion_tokens == len(spec["token_ids"]) and r.weight_version is None
+
+
+def test_score_tokens_body_and_answer_against_vllm():
+    """Issue 32: the log-prob check's re-scoring call (`VLLMClient.score_tokens`) sends a body vLLM takes
+    whole (`prompt_logprobs: 0`, temperature 1, one token, no output log-probs), and the client reads the
+    prompt log-probs out of the answer vLLM's own `request_output_to_completion_response` assembles
+    (`{"<id>": {"logprob", "rank", "decoded_token"}}` per prompt token, null first)."""
+    sent: list[dict] = []
+
+    def capture(request: httpx.Request) -> httpx.Response:
+        sent.append(_record(request))
+        return httpx.Response(500, json={"error": "capture only"})
+
+    c = VLLMClient("http://vllm-contract-capture:8000", transport=httpx.MockTransport(capture), max_retries=0)
+    with pytest.raises(RolloutServerError, match="HTTP 500"):
+        c.score_tokens([1, 2, 3], [5, 7])
+    body = sent[0]["body"]
+    spec = {"token_ids": [9], "logprobs": [-0.5], "finish_reason": "length", "stop_reason": None,
+            "prompt_logprobs": [-1.0, -2.0, -1.5, -0.25]}  # tokens 2, 3, 5, 7
+    payload = {"requests": [sent[0]], "controls": [], "completions": [{"request": body, "output": spec}]}
+    proc = subprocess.run([VLLM_PYTHON, str(SIDE)], input=json.dumps(payload), capture_output=True, text=True,
+                          timeout=600)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = json.loads(lines[-1][len("RESULT "):])
+    checked = got["requests"][0]
+    assert "error" not in checked and checked["ignored"] == [], checked
+    assert {k: checked["sampling"][k] for k in ("prompt_logprobs", "logprobs", "temperature", "top_p", "max_tokens")} \
+        == {"prompt_logprobs": 0, "logprobs": None, "temperature": 1.0, "top_p": 1.0, "max_tokens": 1}
+    answer = got["completions"][0]
+    c = VLLMClient("http://vllm-contract-replay:8000", max_retries=0,
+                   transport=httpx.MockTransport(lambda request: httpx.Response(200, json=answer)))
+    assert c.score_tokens([1, 2, 3], [5, 7]) == [-1.5, -0.25]

@@ -10,8 +10,9 @@ prints one line ``RESULT <json>``.
   an app whose engine is a recording stand-in of ``AsyncLLM``: FastAPI validates the query and body
   with vLLM's declared parameters, and the answer is the route's own. Query or body keys the route
   does not declare (FastAPI ignores them silently) are reported.
-- ``completions``: engine outputs (token ids, log-probs, finish_reason, stop_reason) turned into a
-  ``/v1/completions`` answer by vLLM's own ``OpenAIServingCompletion.request_output_to_completion_response``.
+- ``completions``: engine outputs (token ids, log-probs, finish_reason, stop_reason, and optionally
+  ``prompt_logprobs``: one per prompt token after the first) turned into a ``/v1/completions`` answer
+  by vLLM's own ``OpenAIServingCompletion.request_output_to_completion_response``.
 Also a ``/v1/models`` answer from vLLM's ``ModelList`` / ``ModelCard``.
 """
 
@@ -119,7 +120,7 @@ def check_completion(body):
     out["sampling"] = {k: getattr(params, k) for k in (
         "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids",
         "ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
-        "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "n")}
+        "logprobs", "prompt_logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "n")}
     out["sampling"]["logit_bias"] = {str(k): v for k, v in (params.logit_bias or {}).items()}
     out["request_id"] = req.request_id
     return out
@@ -155,8 +156,12 @@ def completion_answer(req_body, spec):
                               logprobs=logprobs if req.logprobs is not None else None,
                               finish_reason=spec["finish_reason"], stop_reason=spec["stop_reason"])
     engine_id = f"cmpl-{req.request_id}"
+    prompt_logprobs = None  # spec "prompt_logprobs": one log-prob per prompt token after the first
+    if spec.get("prompt_logprobs") is not None:
+        prompt_logprobs = [None] + [{t: Logprob(logprob=lp, rank=1, decoded_token=None)}
+                                    for t, lp in zip(list(req.prompt)[1:], spec["prompt_logprobs"])]
     final = RequestOutput(request_id=f"{engine_id}-0", prompt=None, prompt_token_ids=list(req.prompt),
-                          prompt_logprobs=None, outputs=[output], finished=True)
+                          prompt_logprobs=prompt_logprobs, outputs=[output], finished=True)
     resp = serving.request_output_to_completion_response(
         [final], req, engine_id, 1, "Qwen/x", None, RequestResponseMetadata(request_id=engine_id))
     return json.loads(resp.model_dump_json())

@@ -22,7 +22,8 @@ Mixture-of-Experts): `actor.router_replay` (false), `trainer.expert_model_parall
 `trainer.moe_aux_loss_coeff` (0.0), `rollout.return_routed_experts` (None = with replay). Added since (issue 29): `examples/qwen3-30b-a3b/dapo.yaml`, recorded with
 `_resolved`; it must stay the 32B dapo.yaml on the MoE model (`test_moe_dapo_is_dapo_on_qwen3_30b_a3b`).
 And `examples/tiny/moe-dapo.yaml`, recorded with `_resolved`; it must stay the tiny dapo.yaml on the
-tiny MoE model with replay (`test_tiny_moe_dapo_is_dapo_on_the_moe_model_with_replay`)."""
+tiny MoE model with replay (`test_tiny_moe_dapo_is_dapo_on_the_moe_model_with_replay`). New since (issue 32):
+`rollout.check_logprob_semantics` (true: the engines' log-probs are checked before step 1)."""
 
 import json
 from pathlib import Path

@@ -135,6 +135,7 @@ def test_vllm_command_line_for_a_moe_engine_with_routed_experts():
                              enable_return_routed_experts=True, extra_args=["--enforce-eager"])
     assert cmd == ["py", "-m", "vllm.entrypoints.cli.main", "serve", "/m", "--host", "h", "--port", "5",
                    "--tensor-parallel-size", "4", "--weight-transfer-config", json.dumps({"backend": "nccl"}),
+                   "--logprobs-mode", "raw_logprobs",
                    "--enable-expert-parallel", "--enable-return-routed-experts", "--enforce-eager"]
     dense = build_vllm_command("/m", python="py", host="h", port=5, tp_size=4)
     assert "--enable-expert-parallel" not in dense and "--enable-return-routed-experts" not in dense
