@@ -1,7 +1,7 @@
 """Issue 32 (trust at the seams), the parts that need no server: vLLM's `--logprobs-mode` pinned by the
 launcher and refused in `rollout.vllm_extra_args`, the `rollout.check_logprob_semantics` key, the probe
 prompt, and the rollout manager's context check. The checks against running engines (both dialects of
-the embedded server): tests/e2e/test_engine_checks.py."""
+the embedded server): tests/e2e/test_engine_checks_live.py."""
 
 import pytest
 

@@ -96,3 +96,16 @@ def test_size_limits():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 assert node.end_lineno - node.lineno + 1 <= 80, (path.name, node.name)
+
+
+def test_test_file_basenames_are_unique():
+    """tests/ has no __init__.py files, so pytest imports each test file by its basename
+    (rootdir-relative "rootdir/basename" mode): two files with one basename stop the whole
+    collection ("import file mismatch"), which is how CI failed once."""
+    tests = PKG.parent / "tests"
+    seen: dict[str, Path] = {}
+    for path in sorted(tests.rglob("*.py")):
+        if ".venv" in path.parts:
+            continue
+        assert path.name not in seen or path.name == "conftest.py", (path, seen.get(path.name))
+        seen[path.name] = path
