@@ -193,12 +193,17 @@ def validate_config(cfg: Config) -> None:
         raise ConfigError("trainer.sequence_parallel needs trainer.tensor_model_parallel_size > 1")
     if cfg.model.path is None and cfg.model.hf_config_path is None:
         raise ConfigError("model.path (a Hugging Face model folder or hub id ORG/NAME[@REVISION]) is required")
-    check_colocate(cfg, _check_model_layout(cfg))
+    check_colocate(cfg, check_model_layout(cfg))
 
 
-def _check_model_layout(cfg: Config) -> Optional[dict]:
-    """Static checks of the parallel layout against the model's config.json, when it is readable;
-    returns that config.json (None when unreadable)."""
+def check_model_layout(cfg: Config, *, warn: bool = True) -> Optional[dict]:
+    """Static checks of the parallel layout (and the Mixture-of-Experts keys) against the model's
+    config.json, when it is readable; returns that config.json (None when unreadable). The trainer
+    runs it again once `model.path` is a local folder (a hub id not yet cached at load time skips it).
+
+    Raises:
+        ConfigError: a setting the model cannot run with, naming the key and the config.json.
+    """
     cands = [cached_file(cfg.model.path, "config.json") or Path(cfg.model.path) / "config.json"] if cfg.model.path else []
     if cfg.model.hf_config_path:
         cands.append(Path(cfg.model.hf_config_path))
@@ -223,9 +228,17 @@ def _check_model_layout(cfg: Config) -> Optional[dict]:
     if cfg.actor.router_replay and cfg.rollout.return_routed_experts is False:
         raise ConfigError("actor.router_replay needs the engines' routing: rollout.return_routed_experts must not be "
                           "false")
-    if not moe and (ep != 1 or cfg.actor.router_replay or cfg.rollout.return_routed_experts):
-        raise ConfigError(f"trainer.expert_model_parallel_size={ep} / actor.router_replay={cfg.actor.router_replay} "
-                          f"need a Mixture-of-Experts model; {src} has model_type {hf.get('model_type')!r}")
+    expert_keys = {"trainer.expert_model_parallel_size": ep if ep != 1 else None,
+                   "trainer.expert_tensor_parallel_size": t.expert_tensor_parallel_size,
+                   "trainer.moe_router_load_balancing_type": t.moe_router_load_balancing_type
+                   if t.moe_router_load_balancing_type != "none" else None,
+                   "trainer.moe_aux_loss_coeff": t.moe_aux_loss_coeff or None,
+                   "actor.router_replay": cfg.actor.router_replay or None,
+                   "rollout.return_routed_experts": cfg.rollout.return_routed_experts or None}
+    if not moe and any(v is not None for v in expert_keys.values()):
+        given = ", ".join(f"{k}={v}" for k, v in expert_keys.items() if v is not None)
+        raise ConfigError(f"{given}: need a Mixture-of-Experts model; {src} has model_type "
+                          f"{hf.get('model_type')!r}")
     if moe:
         experts = hf.get("num_experts") or hf.get("num_local_experts")
         if experts and experts % ep:
@@ -242,13 +255,17 @@ def _check_model_layout(cfg: Config) -> Optional[dict]:
             raise ConfigError(f"trainer.expert_tensor_parallel_size {etp} != trainer.tensor_model_parallel_size {tp}: "
                               "the weight publisher exports and gathers experts with the TP layout; set them equal "
                               "(or leave expert_tensor_parallel_size unset)")
+        if t.moe_aux_loss_coeff > 0 and t.moe_router_load_balancing_type == "none":
+            raise ConfigError(f"trainer.moe_aux_loss_coeff {t.moe_aux_loss_coeff} has no effect with "
+                              "trainer.moe_router_load_balancing_type none: set the type (aux_loss, seq_aux_loss, "
+                              "global_aux_loss) or the coefficient 0")
         if t.moe_aux_loss_coeff > 0 and t.moe_router_load_balancing_type != "none" and \
                 cfg.actor.loss_agg_mode != "token-mean":
             raise ConfigError(f"trainer.moe_aux_loss_coeff {t.moe_aux_loss_coeff} with actor.loss_agg_mode "
                               f"{cfg.actor.loss_agg_mode!r}: megatron-core scales the load-balancing loss for a "
                               "per-token count, and this mode's count is sequences, which would multiply its weight "
                               "by the tokens per sequence; use loss_agg_mode token-mean or moe_aux_loss_coeff 0")
-        if routing_requested(cfg) and cfg.actor.old_logprob_source == "rollout":
+        if warn and routing_requested(cfg) and cfg.actor.old_logprob_source == "rollout":
             logger.warning("actor.old_logprob_source=rollout skips the old-log-prob forward, where "
                            "train/router_mismatch is measured: the metric is not reported (routing replay, if on, "
                            "still applies in the update)")

@@ -118,12 +118,15 @@ class TrainBatch:
         for start in range(0, len(self), micro_batch_size):
             yield self.slice(start, min(start + micro_batch_size, len(self)))
 
-    def token_budget_micro_batches(self, max_tokens: int) -> list[tuple[list[int], "TrainBatch"]]:
+    def token_budget_micro_batches(self, max_tokens: int, *, min_micro_batches: int = 0
+                                   ) -> list[tuple[list[int], "TrainBatch"]]:
         """Micro-batches under a token budget: (row indices, micro-batch cut to its own padded
-        width) pairs, from `split_by_token_budget`. Raises its `ValueError`s."""
+        width) pairs, from `split_by_token_budget` (at least `min_micro_batches` of them). Raises
+        its `ValueError`s."""
         if self.seq_lengths is None:
             raise ValueError("token-budget micro-batches need seq_lengths (build the batch with build_train_batch)")
-        plan = split_by_token_budget(self.seq_lengths.tolist(), max_tokens, pad_multiple=self.pad_multiple)
+        plan = split_by_token_budget(self.seq_lengths.tolist(), max_tokens, pad_multiple=self.pad_multiple,
+                                     min_micro_batches=min_micro_batches)
         return [(rows, self.select(rows, width=width)) for rows, width in plan]
 
 
@@ -212,8 +215,8 @@ def pack_sequences(mb: TrainBatch, *, width: int | None = None) -> PackedRows:
     return PackedRows(input_ids=input_ids, position_ids=position_ids, labels=labels, attention_mask=mask, index=index)
 
 
-def split_by_token_budget(lengths: Sequence[int], max_tokens: int, *,
-                          pad_multiple: int = 1) -> list[tuple[list[int], int]]:
+def split_by_token_budget(lengths: Sequence[int], max_tokens: int, *, pad_multiple: int = 1,
+                          min_micro_batches: int = 0) -> list[tuple[list[int], int]]:
     """Partition rows into micro-batches whose *padded* size stays within `max_tokens`.
 
     The cost of a micro-batch is what the model really processes: rows x its padded width, the
@@ -228,20 +231,28 @@ def split_by_token_budget(lengths: Sequence[int], max_tokens: int, *,
     micro-batch does not change the mini-batch gradient: the loss normaliser is global
     (ALGORITHMS.md section 6).
 
+    With `min_micro_batches`, the micro-batch with the most rows (the first of equals) is halved
+    until there are that many: ranks whose forward passes run collectives together (the MoE token
+    dispatcher over an expert-parallel group spanning data-parallel ranks) must run the same number
+    of micro-batches, and halving only lowers each one's padded size.
+
     Args:
         lengths: real tokens of each row (prompt + response).
         max_tokens: the budget (`actor.max_tokens_per_micro_batch`).
         pad_multiple: widths are rounded up to a multiple of this.
+        min_micro_batches: the fewest micro-batches to return (0 = as the budget packs them).
 
     Returns:
         (row indices, width) per micro-batch, in processing order; every row appears once.
 
     Raises:
-        ValueError: a row alone exceeds the budget (the message names the key and the row), or
-            `max_tokens` is not positive.
+        ValueError: a row alone exceeds the budget (the message names the key and the row),
+            `max_tokens` is not positive, or `min_micro_batches` exceeds the rows.
     """
     if max_tokens <= 0:
         raise ValueError(f"actor.max_tokens_per_micro_batch: {max_tokens!r} must be > 0")
+    if min_micro_batches > len(lengths):
+        raise ValueError(f"{min_micro_batches} micro-batches asked of {len(lengths)} rows: each needs at least one row")
     order = sorted(range(len(lengths)), key=lambda i: (-int(lengths[i]), i))
     plan: list[tuple[list[int], int]] = []
     for i in order:
@@ -256,6 +267,12 @@ def split_by_token_budget(lengths: Sequence[int], max_tokens: int, *,
             plan[-1][0].append(i)  # rows come longest first: the micro-batch's width is unchanged
         else:
             plan.append(([i], width))
+    while len(plan) < min_micro_batches:
+        j = max(range(len(plan)), key=lambda k: (len(plan[k][0]), -k))
+        rows, width = plan[j]
+        half = (len(rows) + 1) // 2  # rows are longest first: the first half keeps the width
+        rest = rows[half:]
+        plan[j: j + 1] = [(rows[:half], width), (rest, _round_up(max(max(int(lengths[i]) for i in rest), 1), pad_multiple))]
     return plan
 
 

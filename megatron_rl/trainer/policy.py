@@ -90,7 +90,7 @@ class PolicyTrainer:
                  actor: ActorConfig, max_response_length: int | None = None, tp_group=None, ref_model=None,
                  dp_group=None, pp_group=None, max_tokens_per_micro_batch: int | None = None,
                  rollout_correction: ResolvedCorrection | None = None, sequence_packing: bool = False,
-                 routing=None) -> None:
+                 routing=None, equal_micro_batches: bool = False) -> None:
         if sequence_packing and pp_group is not None:
             raise ValueError("actor.sequence_packing needs trainer.pipeline_model_parallel_size 1")
         self.sequence_packing = sequence_packing
@@ -108,6 +108,7 @@ class PolicyTrainer:
         self.dp_group = dp_group
         self.pp_group = pp_group
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
+        self.equal_micro_batches = equal_micro_batches
         self._loss_fn = POLICY_LOSSES.get(actor.policy_loss)
         self._loss_kwargs = options_of(POLICY_LOSS_OPTIONS.get(actor.policy_loss), actor)
         self._loss_scale_factor = actor.loss_scale_factor
@@ -151,14 +152,32 @@ class PolicyTrainer:
         per = len(mini) // size
         return mini.slice(rank * per, (rank + 1) * per)
 
-    def _plan(self, share: TrainBatch) -> list[tuple[list[int], TrainBatch]]:
+    def _plans(self, shares: list[TrainBatch]) -> list[list[tuple[list[int], TrainBatch]]]:
+        """`_plan` of each share. With `equal_micro_batches` and a token budget, every DP rank
+        runs as many micro-batches per share as the rank with the most (the MoE dispatcher's
+        collectives over an expert group spanning DP ranks run once per micro-batch: unequal
+        counts would hang); one all-reduce of the counts per call."""
+        plans = [self._plan(share) for share in shares]
+        size, _ = self._size_rank(self.dp_group)
+        if not self.equal_micro_batches or self.max_tokens_per_micro_batch is None or size == 1:
+            return plans
+        import torch.distributed as dist
+
+        device = "cuda" if dist.get_backend(self.dp_group) == "nccl" else "cpu"
+        counts = torch.tensor([len(plan) for plan in plans], dtype=torch.long, device=device)
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX, group=self.dp_group)
+        return [plan if len(plan) == int(c) else self._plan(share, at_least=int(c))
+                for plan, share, c in zip(plans, shares, counts.tolist())]
+
+    def _plan(self, share: TrainBatch, at_least: int = 0) -> list[tuple[list[int], TrainBatch]]:
         """This rank's micro-batches of its share: (row indices within the share, micro-batch).
 
         Fixed-size micro-batches are consecutive rows at the full width S; token-budget ones are
-        cut to their own padded width (`TrainBatch.token_budget_micro_batches`).
+        cut to their own padded width (`TrainBatch.token_budget_micro_batches`), at least
+        `at_least` of them.
         """
         if self.max_tokens_per_micro_batch is not None:
-            plan = share.token_budget_micro_batches(self.max_tokens_per_micro_batch)
+            plan = share.token_budget_micro_batches(self.max_tokens_per_micro_batch, min_micro_batches=at_least)
         else:
             step, n = self.micro_batch_size, len(share)
             plan = [(list(range(a, min(a + step, n))), share.slice(a, min(a + step, n))) for a in range(0, n, step)]
@@ -243,7 +262,7 @@ class PolicyTrainer:
         if model is self.model and self.routing is not None:  # this rank's rows and layers of the routing
             self._hand_out_routing(batch, mini_batch_sequences)
         shares = [self._dp_share(batch.slice(a, b)) for a, b in self._minis(len(batch), mini_batch_sequences)]
-        plans = [self._plan(share) for share in shares]
+        plans = self._plans(shares)
         mbs = [mb for plan in plans for _, mb in plan]
         measure = model is self.model and self.routing is not None
 
@@ -346,7 +365,7 @@ class PolicyTrainer:
         `finalize_model_grads`. `mini` is the whole mini-batch (this rank runs its DP share).
         Returns the per-micro-batch metric sums of this rank (empty on non-last pipeline stages).
         """
-        mbs = [mb for _, mb in self._plan(self._dp_share(mini))]
+        mbs = [mb for _, mb in self._plans([self._dp_share(mini)])[0]]
         for m in self.model:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()

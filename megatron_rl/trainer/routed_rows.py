@@ -149,12 +149,23 @@ def dp_rows(n: int, mini_batch_sequences: int | None, dp_size: int, dp_rank: int
 
 
 def hand_out(routed: RoutedRows, *, mini_batch_sequences: int | None, dp_size: int, dp_rank: int,
-             layers: Sequence[int]) -> RoutedRows:
+             layers: Sequence[int], tp_group=None) -> RoutedRows:
     """Every rank's share of the controller's routing (all ranks of the default group call it).
 
     The controller (global rank 0) holds every row; each rank says which data-parallel rank it is
-    and which MoE layers it runs, and receives only those rows and layers (one
-    ``scatter_object_list``). Returns this rank's `RoutedRows` with ``local`` True.
+    and which MoE layers it runs (one small ``all_gather_object``). The controller then sends each
+    tensor-parallel group's share once, to the group's first rank, one rank at a time
+    (``send_object_list``: at most one share is serialised at once, never a copy per rank padded to
+    the largest as ``scatter_object_list`` would); that rank broadcasts it within its TP group
+    (the TP ranks of one DP rank and stage run the same rows and layers). Returns this rank's
+    `RoutedRows` with ``local`` True.
+
+    Args:
+        routed: the controller's rows (rank 0); on other ranks the broadcast copy (no rows).
+        mini_batch_sequences: the update's mini-batch size in sequences (None = one mini-batch).
+        dp_size, dp_rank: this rank's data-parallel group size and rank.
+        layers: the global MoE layer numbers of this rank's model chunks.
+        tp_group: this rank's tensor-parallel group (None = TP 1); its first rank receives.
 
     Raises:
         ValueError: the controller's rows lack a layer a rank asks for.
@@ -166,15 +177,26 @@ def hand_out(routed: RoutedRows, *, mini_batch_sequences: int | None, dp_size: i
         mine = routed.keep(dp_rows(len(routed), mini_batch_sequences, dp_size, dp_rank), layers)
         mine.local, mine.minis = True, mini_batch_sequences
         return mine
-    world = dist.get_world_size()
-    needs: list = [None] * world
-    dist.all_gather_object(needs, (dp_rank, layers))
-    parts = None
-    if dist.get_rank() == 0:
-        n = len(routed)
-        parts = [routed.keep(dp_rows(n, mini_batch_sequences, dp_size, d), ls) for d, ls in needs]
+    tp_size = 1 if tp_group is None else dist.get_world_size(tp_group)
+    leader = tp_size == 1 or dist.get_rank(tp_group) == 0
+    needs: list = [None] * dist.get_world_size()
+    dist.all_gather_object(needs, (dp_rank, tuple(layers), leader))
     box: list = [None]
-    dist.scatter_object_list(box, parts, src=0)
+    if dist.get_rank() == 0:
+        n, part, key = len(routed), None, None
+        # ranks ordered by what they need: each distinct share is cut once and dropped after its last send
+        for r in sorted((r for r, (_, _, lead) in enumerate(needs) if lead), key=lambda r: (needs[r][:2], r)):
+            if needs[r][:2] != key:
+                key = needs[r][:2]
+                part = routed.keep(dp_rows(n, mini_batch_sequences, dp_size, key[0]), list(key[1]))
+            if r == 0:
+                box[0] = part
+            else:
+                dist.send_object_list([part], dst=r)
+    elif leader:
+        dist.recv_object_list(box, src=0)
+    if tp_size > 1:
+        dist.broadcast_object_list(box, src=dist.get_global_rank(tp_group, 0), group=tp_group)
     mine = box[0]
     mine.local, mine.minis = True, mini_batch_sequences
     return mine

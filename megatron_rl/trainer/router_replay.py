@@ -66,18 +66,21 @@ class RoutingReplay:
         sequence_parallel: the model runs with sequence parallelism (the router sees S / TP tokens).
         num_layers: the model's layer count (the metric's per-layer axis).
         topk: the routers' top-k (``moe_router_topk``); a batch whose routing has another K is refused.
+        tp_group: this rank's tensor-parallel group (used when ``tp_size`` > 1): the routing is sent
+            once per TP group and broadcast within it (`routed_rows.hand_out`).
 
     The metric's counts are summed over the default process group by :meth:`mismatch_metrics`;
     TP ranks without sequence parallelism see the same tokens, so only TP rank 0 counts then.
     """
 
     def __init__(self, model, *, replay: bool, tp_rank: int = 0, tp_size: int = 1, sequence_parallel: bool = False,
-                 num_layers: int, topk: int | None = None) -> None:
+                 num_layers: int, topk: int | None = None, tp_group=None) -> None:
         chunks = list(model) if isinstance(model, (list, tuple)) else [model]
         self._routers = {id(_unwrap(m)): model_routers(m) for m in chunks}
         self.replay = replay
         self.tp_rank, self.tp_size, self.sp = tp_rank, tp_size, sequence_parallel
         self.num_layers, self.topk = num_layers, topk
+        self.tp_group = tp_group if tp_size > 1 else None
         self._counts = torch.zeros((num_layers, 2), dtype=torch.float64)  # [mismatched, valid] per layer
         self._measure = False
         for routers in self._routers.values():
@@ -108,7 +111,7 @@ class RoutingReplay:
 
         layers = [layer for routers in self._routers.values() for layer, _ in routers]
         batch.routed_experts = hand_out(rr, mini_batch_sequences=mini_batch_sequences, dp_size=dp_size,
-                                        dp_rank=dp_rank, layers=layers)
+                                        dp_rank=dp_rank, layers=layers, tp_group=self.tp_group)
 
     # ---- per micro-batch -----------------------------------------------------------------------
     def _token_order(self, per_row: torch.Tensor, mb) -> torch.Tensor:

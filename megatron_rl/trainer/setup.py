@@ -204,12 +204,13 @@ def _build_model(run: Run, tf_config, *, trainable: bool = True):
 
 def _build_policy(run: Run) -> None:
     """The policy (and reference) model, DDP + optimizer + LR schedule, and the `PolicyTrainer`."""
-    from megatron_rl.config.validate import rollout_correction_of
+    from megatron_rl.config.validate import check_model_layout, rollout_correction_of
     from megatron_rl.models.builder import transformer_config_for, wrap_ddp_and_optimizer
     from megatron_rl.models.hf_config import build_model_spec
     from megatron_rl.trainer.policy import PolicyTrainer
 
     cfg, pgs, t, a = run.cfg, run.pgs, run.cfg.trainer, run.cfg.actor
+    check_model_layout(cfg, warn=False)  # again: a hub id not cached when the config loaded skipped it
     run.hf_config = json.loads((Path(cfg.model.path) / "config.json").read_text())
     spec = build_model_spec(run.hf_config, tensor_model_parallel_size=t.tensor_model_parallel_size,
                             make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by)
@@ -248,6 +249,7 @@ def _build_policy(run: Run) -> None:
         pp_group=pgs.pp if pgs.pp_size > 1 else None, max_tokens_per_micro_batch=a.token_budget,
         actor=a, max_response_length=cfg.data.max_response_length, rollout_correction=rollout_correction_of(cfg),
         sequence_packing=a.sequence_packing, routing=_routing_replay(run, tf_config) if is_moe else None,
+        equal_micro_batches=is_moe and t.expert_model_parallel_size > 1,
     )
 
 
@@ -257,7 +259,8 @@ def _routing_replay(run: Run, tf_config):
 
     return RoutingReplay(run.ddp_model, replay=run.cfg.actor.router_replay, tp_rank=run.pgs.tp_rank,
                          tp_size=run.pgs.tp_size, sequence_parallel=tf_config.sequence_parallel,
-                         num_layers=tf_config.num_layers, topk=tf_config.moe_router_topk)
+                         num_layers=tf_config.num_layers, topk=tf_config.moe_router_topk,
+                         tp_group=run.pgs.tp)
 
 
 def _warn_config_changes(cfg: Config, saved_path: Path) -> None:

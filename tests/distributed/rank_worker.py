@@ -194,11 +194,12 @@ def scenario_layouts() -> dict:
         from megatron_rl.trainer.router_replay import RoutingReplay
 
         routing = RoutingReplay(tm.model, replay=replay, tp_rank=g.tp_rank, tp_size=tp, sequence_parallel=sp,
-                                num_layers=hf_config["num_hidden_layers"])
+                                num_layers=hf_config["num_hidden_layers"], tp_group=g.tp if tp > 1 else None)
     trainer = PolicyTrainer(tm.model, tm.optimizer, tm.scheduler, vocab_size=hf_config["vocab_size"],
                             micro_batch_size=2, actor=loss, tp_group=g.tp if tp > 1 else None, routing=routing,
                             dp_group=g.dp_cp if g.dp_size > 1 else None, pp_group=g.pp if pp > 1 else None,
-                            max_tokens_per_micro_batch=int(os.environ["BUDGET"]) if os.environ.get("BUDGET") else None)
+                            max_tokens_per_micro_batch=int(os.environ["BUDGET"]) if os.environ.get("BUDGET") else None,
+                            equal_micro_batches=arch == "qwen3_moe" and ep > 1 and os.environ.get("EQUAL", "1") == "1")
     gen = torch.Generator().manual_seed(7)
     lengths = [(3, 5), (2, 2), (4, 7), (1, 3), (5, 4), (2, 6), (3, 1), (4, 4)]
     prompts = [torch.randint(1, 199, (p,), generator=gen).tolist() for p, _ in lengths]

@@ -113,19 +113,22 @@ def moe_reference(request, tmp_path_factory):
                         extra={"ARCH": "qwen3_moe", "REPLAY": replay})
 
 
-@pytest.mark.parametrize("tp, pp, ep, world", [(1, 1, 2, 2), (1, 2, 2, 4), (2, 1, 1, 2), (2, 1, 2, 4)],
-                         ids=["ep2", "pp2xep2", "tp2sp", "tp2spxep2"])
-def test_moe_layout_equals_one_process(moe_reference, tmp_path, tp, pp, ep, world):
+@pytest.mark.parametrize("tp, pp, ep, world, extra", [
+    (1, 1, 2, 2, {}), (1, 2, 2, 4, {}), (2, 1, 1, 2, {}), (2, 1, 2, 4, {}), (1, 1, 2, 2, {"BUDGET": "16"}),
+], ids=["ep2", "pp2xep2", "tp2sp", "tp2spxep2", "ep2-token-budget"])
+def test_moe_layout_equals_one_process(moe_reference, tmp_path, tp, pp, ep, world, extra):
     """A tiny Qwen3-MoE (4 experts, top-2): EP2 (DP2, two experts a rank), PP2 x EP2 (world 4),
     TP2 + SP (megatron-core requires SP for MoE with TP) and TP2 + SP x EP2 (world 4, expert TP 2)
     give the one-process log-probs, mini-batch gradients (experts gathered over EP into HF names),
     loss metrics and weights after each of two PPO updates, with the routers choosing by
     themselves and with the batch's (random) engine routing replayed. The router-mismatch metric
     is the same share too. The aux loss is off (it differs between layouts by design: its token
-    statistics are per rank)."""
+    statistics are per rank). EP2 under a token budget: the two DP ranks' shares pack into
+    different numbers of micro-batches, which the trainer evens out (the dispatcher's all-to-all
+    runs once per micro-batch on both ranks; unequal counts hang)."""
     replay, ref = moe_reference
     got = _run(tmp_path, f"moe-tp{tp}pp{pp}ep{ep}", tp, pp, world,
-               extra={"ARCH": "qwen3_moe", "EP": str(ep), "REPLAY": replay, "SP": "1" if tp > 1 else "0"})
+               extra={"ARCH": "qwen3_moe", "EP": str(ep), "REPLAY": replay, "SP": "1" if tp > 1 else "0", **extra})
     # random engine routing against a router that picks 2 of 4: most positions differ, never all
     assert 0.3 < ref["routing"]["train/router_mismatch"] < 1.0
     assert got["routing"] == pytest.approx(ref["routing"], abs=1e-12)

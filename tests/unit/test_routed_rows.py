@@ -83,33 +83,64 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, out):
+def _worker(rank, world, port, out, tp):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    sends = []
+    real_send = dist.send_object_list
+
+    def counting_send(objs, dst, **kw):
+        sends.append(dst)
+        return real_send(objs, dst, **kw)
+
+    dist.send_object_list = counting_send
     try:
         batch, _ = _batch()
         # the controller (rank 0) holds every row; the others got the broadcast copy
         rr = batch.routed_experts if rank == 0 else batch.for_broadcast().routed_experts
-        dp_rank, stage = rank % 2, rank // 2  # DP 2 x PP 2: stage 0 runs layers 0-1, stage 1 layers 2-3
-        mine = hand_out(rr, mini_batch_sequences=4, dp_size=2, dp_rank=dp_rank, layers=[2 * stage, 2 * stage + 1])
+        if tp:  # TP 2 x DP 2 (megatron's order: TP fastest): TP ranks share rows and layers
+            groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+            tp_group, dp_rank, layers = groups[rank // 2], rank // 2, [0, 1, 2, 3]
+        else:  # DP 2 x PP 2: stage 0 runs layers 0-1, stage 1 layers 2-3
+            tp_group, dp_rank, stage = None, rank % 2, rank // 2
+            layers = [2 * stage, 2 * stage + 1]
+        mine = hand_out(rr, mini_batch_sequences=4, dp_size=2, dp_rank=dp_rank, layers=layers, tp_group=tp_group)
         out[rank] = ([i for i, r in enumerate(mine.rows) if r is not None], mine.layers, mine.nbytes(), mine.local,
-                     [r.clone() if r is not None else None for r in mine.rows])
+                     [r.clone() if r is not None else None for r in mine.rows], list(sends))
     finally:
+        dist.send_object_list = real_send
         dist.destroy_process_group()
 
 
-def test_hand_out_gives_each_rank_its_rows_and_layers_only():
-    world = 4
+def _hand_out_on_4_ranks(tp: bool) -> dict:
     with mp.Manager() as manager:
         out = manager.dict()
-        mp.spawn(_worker, args=(world, _free_port(), out), nprocs=world, join=True)
-        got = dict(out)
+        mp.spawn(_worker, args=(4, _free_port(), out, tp), nprocs=4, join=True)
+        return dict(out)
+
+
+def test_hand_out_gives_each_rank_its_rows_and_layers_only():
+    got = _hand_out_on_4_ranks(tp=False)
     full, _ = _batch()
-    for rank in range(world):
-        rows, layers, nbytes, local, tensors = got[rank]
+    for rank in range(4):
+        rows, layers, nbytes, local, tensors, _ = got[rank]
         dp_rank, stage = rank % 2, rank // 2
         assert rows == dp_rows(8, 4, 2, dp_rank) and layers == (2 * stage, 2 * stage + 1) and local
         for i in rows:
             assert torch.equal(tensors[i], full.routed_experts.rows[i][:, 2 * stage: 2 * stage + 2])
         assert nbytes == sum(full.routed_experts.rows[i].numel() for i in rows) // 2 * 2  # half the layers, int16
-    assert sum(nbytes for _, _, nbytes, _, _ in got.values()) == full.routed_experts.nbytes()
+    assert sum(got[r][2] for r in got) == full.routed_experts.nbytes()
+    assert sorted(got[0][5]) == [1, 2, 3]  # one send per other rank, none to itself
+
+
+def test_hand_out_sends_once_per_tensor_parallel_group():
+    """TP 2 x DP 2: the controller sends DP rank 1's share to rank 2 only; rank 3 (its TP peer)
+    gets it by the TP group's broadcast, and rank 1 (the controller's TP peer) from rank 0."""
+    got = _hand_out_on_4_ranks(tp=True)
+    full, _ = _batch()
+    for rank in range(4):
+        rows, layers, _, local, tensors, _ = got[rank]
+        assert rows == dp_rows(8, 4, 2, rank // 2) and layers == (0, 1, 2, 3) and local
+        for i in rows:
+            assert torch.equal(tensors[i], full.routed_experts.rows[i])
+    assert got[0][5] == [2]

@@ -21,6 +21,20 @@ def test_plan_longest_first_under_padded_budget():
     assert split_by_token_budget([4, 4, 4], 1000) == [([0, 1, 2], 4)]
 
 
+def test_at_least_n_micro_batches_halves_the_fullest():
+    """An expert-parallel group spanning DP ranks needs the same micro-batch count on each: a rank
+    whose rows pack into fewer halves its fullest micro-batch (longest rows stay first)."""
+    # packed: [1, 3] (width 9), [0, 2, 4] (width 5); 3 asked: [0, 2, 4] -> [0, 2] (5), [4] (2)
+    assert split_by_token_budget([5, 9, 3, 9, 2], 18, min_micro_batches=3) == [([1, 3], 9), ([0, 2], 5), ([4], 2)]
+    # 4 asked: then the first of the two-row ones, [1, 3], halves: [1] (9), [3] (9)
+    assert split_by_token_budget([5, 9, 3, 9, 2], 18, min_micro_batches=4) == [
+        ([1], 9), ([3], 9), ([0, 2], 5), ([4], 2)]
+    assert split_by_token_budget([4, 4, 4], 1000, min_micro_batches=2) == [([0, 1], 4), ([2], 4)]
+    assert split_by_token_budget([4, 4, 4], 1000, min_micro_batches=1) == [([0, 1, 2], 4)]
+    with pytest.raises(ValueError, match="4 micro-batches asked of 3 rows"):
+        split_by_token_budget([4, 4, 4], 1000, min_micro_batches=4)
+
+
 def test_budget_smaller_than_a_sequence_names_the_key():
     with pytest.raises(ValueError, match=r"^actor.max_tokens_per_micro_batch \(8\) is smaller than one sequence: "
                                          r"row 1 has 9 tokens"):

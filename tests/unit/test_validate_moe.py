@@ -31,6 +31,8 @@ def test_the_tiny_moe_recipe_loads_with_replay():
     (["trainer.moe_router_load_balancing_type=aux_loss", "trainer.moe_aux_loss_coeff=0.001",
       "actor.loss_agg_mode=seq-mean-token-mean"], "moe_aux_loss_coeff 0.001 with actor.loss_agg_mode"),
     (["rollout.return_routed_experts=false"], "rollout.return_routed_experts must not be false"),
+    (["trainer.moe_aux_loss_coeff=0.01"], "moe_aux_loss_coeff 0.01 has no effect with "
+                                          "trainer.moe_router_load_balancing_type none"),
     (["trainer.expert_model_parallel_size=2", "trainer.nproc_per_node=2", "rollout.colocate=true"],
      "rollout.colocate with trainer.expert_model_parallel_size > 1"),
 ])
@@ -45,9 +47,13 @@ def test_aux_loss_with_token_mean_is_accepted():
 
 
 @pytest.mark.parametrize("overrides", [["actor.router_replay=true"], ["trainer.expert_model_parallel_size=2"],
-                                       ["rollout.return_routed_experts=true"]])
+                                       ["rollout.return_routed_experts=true"],
+                                       ["trainer.expert_tensor_parallel_size=1"],
+                                       ["trainer.moe_router_load_balancing_type=aux_loss"],
+                                       ["trainer.moe_aux_loss_coeff=0.001"]])
 def test_expert_settings_on_a_dense_model_are_refused(overrides):
-    with pytest.raises(ConfigError, match="need a Mixture-of-Experts model; .* has model_type 'qwen2'"):
+    key = overrides[0].split("=")[0].replace(".", r"\.")
+    with pytest.raises(ConfigError, match=f"^{key}=.*: need a Mixture-of-Experts model; .* has model_type 'qwen2'"):
         load_config(DENSE, overrides)
 
 
@@ -55,3 +61,15 @@ def test_rollout_old_logprobs_warn_that_the_mismatch_is_not_measured(caplog):
     with caplog.at_level(logging.WARNING):
         load_config(MOE, ["actor.old_logprob_source=rollout"])
     assert "where train/router_mismatch is measured: the metric is not reported" in caplog.text
+
+
+def test_the_trainer_rechecks_a_model_that_was_not_readable_at_load():
+    """A hub id not in the cache when the config loads skips the model checks; the trainer runs
+    them again on the local folder (`trainer.setup._build_policy`) before building anything."""
+    from megatron_rl.config.validate import check_model_layout
+
+    local = load_config(MOE, []).model.path
+    cfg = load_config(MOE, ["model.path=some-org/not-cached-moe", "trainer.expert_model_parallel_size=3"])
+    cfg.model.path = local  # what the train command holds once the model is downloaded
+    with pytest.raises(ConfigError, match="trainer.expert_model_parallel_size 3 must divide num_experts 8"):
+        check_model_layout(cfg, warn=False)
