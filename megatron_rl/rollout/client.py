@@ -531,8 +531,18 @@ class RolloutClient(HTTPEngineClient):
         )
         return str(self._check(resp, "/flush_cache"))
 
-    def update_weight_version(self, new_version: str, abort_all_requests: bool = True) -> dict:
-        """``POST /update_weight_version``: relabel the weights only."""
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict:
+        """``POST /update_weight_version``: relabel the weights only.
+
+        Args:
+            new_version: the new label (``weight_version`` of every later generation).
+            abort_all_requests: also abort every request in the engine first. Default False (the
+                safe one; SGLang's own default is True): a relabel after an in-place update must
+                not abort the requests paused in place. Callers that want the abort pass True.
+
+        Raises:
+            RolloutServerError: the server refused or could not be reached.
+        """
         return self._control(
             "/update_weight_version", {"new_version": new_version, "abort_all_requests": abort_all_requests}
         )
