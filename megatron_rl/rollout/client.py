@@ -345,8 +345,9 @@ class RolloutClient(HTTPEngineClient):
         """The server's current weight version label (``/model_info``)."""
         return str(self.model_info()["weight_version"])
 
-    def tp_size(self) -> int:
-        """Tensor-parallel size of the server (its number of ranks in a weight-update group)."""
+    def transfer_world_size(self) -> int:
+        """Ranks the server adds to a weight-update group: SGLang's TP workers, each joining at
+        ``rank_offset + tp_rank`` (``/server_info`` ``tp_size``; 1 when not reported)."""
         return int(self.server_info().get("tp_size", 1))
 
     def context_length(self) -> int | None:

@@ -303,8 +303,14 @@ class VLLMClient(HTTPEngineClient):
         """``GET /weight_info`` -> ``weight_version``."""
         return str(self._dict("GET", "/weight_info", ("weight_version",))["weight_version"])
 
-    def tp_size(self) -> int:
-        """``GET /get_world_size``: the server's workers (TP x PP x DP), its ranks in the transfer group."""
+    def transfer_world_size(self) -> int:
+        """``GET /get_world_size`` (``include_dp`` true, vLLM's default): the server's workers across
+        its data-parallel replicas, TP x PP x DP, its ranks in the transfer group (vLLM's worker of
+        DP replica d and rank r joins at ``rank_offset + d * TP * PP + r``).
+
+        Raises:
+            RolloutServerError: no answer, or ``world_size`` is not an integer.
+        """
         try:
             return int(self._dict("GET", "/get_world_size", ("world_size",))["world_size"])
         except (TypeError, ValueError):

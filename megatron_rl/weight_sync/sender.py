@@ -35,6 +35,7 @@ from megatron_rl.errors import RolloutServerError, WeightSyncError
 from megatron_rl.ports import find_free_port
 from megatron_rl.weight_sync.buckets import server_weight_dtype, wire_buckets
 from megatron_rl.weight_sync.group import destroy_custom_process_group, init_custom_process_group
+from megatron_rl.weight_sync.ranks import plan_transfer_ranks
 
 if TYPE_CHECKING:  # the engines' client; weight_sync never imports rollout at run time
     from megatron_rl.rollout.engine import RolloutEngine as RolloutClient
@@ -84,7 +85,8 @@ class WeightSyncSender:
     """Broadcast trainer weights to rollout servers (SGLang or embedded) over one private group.
 
     Args:
-        clients: one ``RolloutClient`` per server; each joins with its ``tp_size`` ranks.
+        clients: one client per server (``receiver.BroadcastReceiver``); each joins with its
+            ``transfer_world_size()`` ranks.
         master_address: address the servers reach this process at (the TCPStore host).
         master_port: rendezvous port; None picks a free one on ``master_address``.
         backend: ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors).
@@ -158,11 +160,14 @@ class WeightSyncSender:
     def init_group(self) -> None:
         """Create the group: post ``/init_weights_update_group`` to every server while joining as rank 0.
 
-        World size is 1 + the sum of the servers' ``tp_size``; server *i* joins at rank offset
-        1 + the TP sizes of servers before it.
+        World size is 1 + the sum of the servers' ``transfer_world_size()`` (SGLang: TP workers;
+        vLLM: TP x PP x DP); server *i* joins at rank offset 1 + the ranks of the servers before it
+        (``weight_sync.ranks.plan_transfer_ranks``, checked before any server is asked to join).
 
         Raises:
-            WeightSyncError: a server refused or the rendezvous failed/timed out.
+            WeightSyncError: a server reports an impossible number of ranks or is listed twice (names
+                it, with the expected and reported numbers), a server refused, or the rendezvous
+                failed/timed out.
         """
         if self._pg is not None:
             raise WeightSyncError("init_group() called twice; call destroy() first")
@@ -175,13 +180,14 @@ class WeightSyncSender:
                 raise WeightSyncError(str(e)) from e
         port = self.master_port or find_free_port(self.master_address)
         try:
-            tp_sizes = [int(t) for t in self._all(lambda c: c.tp_size())]
+            sizes = self._all(lambda c: c.transfer_world_size())
             if self.dtype is None:
                 self.dtype = server_weight_dtype(self.clients[0].model_info(), url=self.clients[0].base_url)
         except RolloutServerError as e:
             raise WeightSyncError(f"cannot query the rollout servers: {e}") from e
-        world_size = 1 + sum(tp_sizes)
-        offsets = [1 + sum(tp_sizes[:i]) for i in range(len(self.clients))]
+        # checked before any engine is asked to join: a wrong count would hang the rendezvous instead
+        ranks = plan_transfer_ranks([(c.base_url, s) for c, s in zip(self.clients, sizes, strict=True)])
+        world_size, offsets = ranks.world_size, ranks.offsets
         # a group of this name left by a trainer that died (a server this run did not start) would
         # make the server refuse the new one: drop it first; "no such group" is the usual answer.
         # A trainer that died mid-sync also left its update session open, which would refuse the
