@@ -574,6 +574,15 @@ class VLLMClient(HTTPEngineClient):
             self._sleep.needs_reload = False  # the caller of sleep(level=2) promised a full reload: this is it
         return data
 
-    def update_weight_version(self, new_version: str) -> dict:
-        """``POST /update_weight_version`` {"new_version"}: relabel the weights only."""
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict:
+        """``POST /update_weight_version`` {"new_version"}: relabel the weights only.
+
+        ``abort_all_requests`` (default False, as ``RolloutClient``'s): vLLM's endpoint takes no such
+        field, so True aborts every request first (``POST /abort_requests`` {}), then relabels.
+
+        Raises:
+            RolloutServerError: the server refused or could not be reached.
+        """
+        if abort_all_requests:
+            self.abort_request(abort_all=True)
         return self._dict("POST", "/update_weight_version", ("new_version",), json={"new_version": new_version})

@@ -21,16 +21,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
 from megatron_rl.errors import RolloutServerError, WeightSyncError
 from megatron_rl.weight_sync.buckets import bucket_named_tensors, cast_named_tensors, server_weight_dtype
 from megatron_rl.weight_sync.ipc import ColocatedSender, serialize_named_tensors
-
-if TYPE_CHECKING:
-    from megatron_rl.rollout.client import RolloutClient
+from megatron_rl.weight_sync.receiver import TensorReceiver
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +118,7 @@ class EngineMemory:
             reading after that).
     """
 
-    def __init__(self, clients: Callable[[], list["RolloutClient"]], log: PhaseLog, *,
+    def __init__(self, clients: Callable[[], list[TensorReceiver]], log: PhaseLog, *,
                  release_poll: Optional[Callable[[], float]] = None, release_threshold_gib: float = 0.0,
                  max_polls: int = 60, poll_interval_s: float = 1.0) -> None:
         self.clients = clients
@@ -214,7 +212,7 @@ class ColocatedWeightSender:
         ValueError: no clients at all, `buffers` not 1 or 2, or an unknown `load_format`.
     """
 
-    def __init__(self, clients: list["RolloutClient"], *, control_clients: Optional[list["RolloutClient"]] = None,
+    def __init__(self, clients: list[TensorReceiver], *, control_clients: Optional[list[TensorReceiver]] = None,
                  memory: Optional[EngineMemory] = None,
                  bucket_size_mib: float = 512.0, timeout_s: float = 600.0, dtype: torch.dtype | None = None,
                  keep_buffer: bool = False, buffers: int = 1, load_format: Optional[str] = "flattened_bucket") -> None:

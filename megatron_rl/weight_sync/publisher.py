@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.errors import RolloutServerError, WeightSyncError
+from megatron_rl.weight_sync.receiver import EngineSession
 from megatron_rl.weight_sync.sender import sync_metrics
 from megatron_rl.parallel.control import (ControllerFailed, broadcast_object, gather_objects, receive_from_controller,
                                          send_to_ranks)
@@ -325,7 +326,8 @@ class WeightPublisher:
         before any pause, case N10 D), through the fleet's clients: the ones that sent them (a vLLM
         client aborts only the requests it knows). A failed abort is logged: that engine's requests
         fail with it."""
-        for client in self.fleet.up_clients():
+        clients: list[EngineSession] = self.fleet.up_clients()
+        for client in clients:
             for rid in rids:
                 try:
                     client.abort_request(rid)
@@ -415,6 +417,7 @@ class WeightPublisher:
         """Destroy this rank's group (stage sources), stop the sender's threads, close its clients."""
         if self.sender is not None:
             self.sender.close()
-            clients = {id(c): c for c in [*self.sender.clients, *getattr(self.sender, "control_clients", [])]}
+            clients: dict[int, EngineSession] = {
+                id(c): c for c in [*self.sender.clients, *getattr(self.sender, "control_clients", [])]}
             for client in clients.values():
                 client.close()

@@ -24,7 +24,6 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 
@@ -36,9 +35,7 @@ from megatron_rl.ports import find_free_port
 from megatron_rl.weight_sync.buckets import server_weight_dtype, wire_buckets
 from megatron_rl.weight_sync.group import destroy_custom_process_group, init_custom_process_group
 from megatron_rl.weight_sync.ranks import plan_transfer_ranks
-
-if TYPE_CHECKING:  # the engines' client; weight_sync never imports rollout at run time
-    from megatron_rl.rollout.engine import RolloutEngine as RolloutClient
+from megatron_rl.weight_sync.receiver import BroadcastReceiver
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +108,7 @@ class WeightSyncSender:
 
     def __init__(
         self,
-        clients: list[RolloutClient],
+        clients: list[BroadcastReceiver],
         *,
         master_address: str = "127.0.0.1",
         master_port: int | None = None,
@@ -153,7 +150,7 @@ class WeightSyncSender:
         """True between a successful ``init_group()`` and ``destroy()``."""
         return self._pg is not None
 
-    def _all(self, fn: Callable[[RolloutClient], object]) -> list[object]:
+    def _all(self, fn: Callable[[BroadcastReceiver], object]) -> list[object]:
         futures = [self._pool.submit(fn, c) for c in self.clients]
         return [f.result() for f in futures]
 
@@ -547,7 +544,7 @@ class WeightSyncSender:
             raise WeightSyncError(f"checksum check after the sync: servers hold other weights than the trainer: {detail}")
         return {"weight_sync/checked_tensors": float(checked), "weight_sync/unverifiable_tensors": float(unverifiable)}
 
-    def reinit(self, clients: list[RolloutClient]) -> None:
+    def reinit(self, clients: list[BroadcastReceiver]) -> None:
         """Re-create the group over ``clients`` (after a server restart, a dropped server, or a
         ``group_broken`` error): destroy the old one (best effort: a dead server cannot answer),
         then ``init_group()``. The servers' dtype is read again.
