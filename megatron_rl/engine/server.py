@@ -19,7 +19,7 @@ import torch
 from megatron_rl.engine.app import ServerState, build_app
 from megatron_rl.engine.batching import GenerationEngine
 from megatron_rl.weight_sync.session import UpdateSession
-from megatron_rl.engine.test_hooks import (FAULT_REFUSE_UPDATES_ENV, forward_recorder, processed_logprobs,
+from megatron_rl.engine.test_hooks import (FAULT_REFUSE_UPDATES_ENV, forward_recorder, processed_logprobs, refuse_flush,
                                            refused_update_calls, step_delay_s)
 from megatron_rl.weight_sync.buckets import dtype_from_name
 
@@ -227,7 +227,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                        "routing will be returned", type(model).__name__)
     session = UpdateSession(engine, group_timeout_s=args.weight_sync_timeout_s, refused_calls=refused_update_calls(),
                             refused_by=FAULT_REFUSE_UPDATES_ENV)
-    state = ServerState(engine=engine, session=session, model_path=args.model_path, dtype=torch_dtype, args=args)
+    state = ServerState(engine=engine, session=session, model_path=args.model_path, dtype=torch_dtype, args=args,
+                        refuse_flush=refuse_flush())
     if args.api_dialect == "vllm":
         from megatron_rl.engine.vllm_dialect import build_vllm_app
 

@@ -365,7 +365,7 @@ def build_vllm_app(state: ServerState) -> FastAPI:
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(reset_running_requests: bool = False, reset_external: bool = False):
-        return JSONResponse({"success": True})  # the engine keeps no cache across requests
+        return JSONResponse({"success": not state.refuse_flush})  # no cache across requests; refused: tests only
 
     # ---- sleep mode (a state only: see the module docstring) ---------------------------
 

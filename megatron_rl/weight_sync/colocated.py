@@ -28,7 +28,7 @@ import torch
 from megatron_rl.errors import RolloutServerError, WeightSyncError
 from megatron_rl.weight_sync.buckets import bucket_named_tensors, cast_named_tensors, server_weight_dtype
 from megatron_rl.weight_sync.ipc import ColocatedSender, serialize_named_tensors
-from megatron_rl.weight_sync.receiver import TensorReceiver
+from megatron_rl.weight_sync.receiver import TensorReceiver, label_engines
 
 logger = logging.getLogger(__name__)
 
@@ -418,9 +418,15 @@ class ColocatedWeightSender:
 
     def finish_update(self, weight_version: str, *, flush_refusal_ok: bool = False,
                       before_continue=None) -> None:
-        """Close the session, resume the KV cache, check every engine's version, continue (the
-        `WeightSyncSender.finish_update` signature: `before_continue()` runs just before the continue;
-        `flush_refusal_ok` never applies, nothing is in flight in colocated mode)."""
+        """Close the session (no label), resume the KV cache, flush, label every engine
+        `weight_version` (rolled back if one fails), check the labels, continue (the
+        `WeightSyncSender.finish_update` signature and order: `before_continue()` runs just before the
+        continue; `flush_refusal_ok` never applies, nothing is in flight in colocated mode).
+
+        Raises:
+            WeightSyncError: a call failed (a refused flush or label names the engine; the engines
+                stay paused with their old labels) or an engine reports another version.
+        """
         weight_version = str(weight_version)
         try:
             for c in self.control_clients:
@@ -428,7 +434,12 @@ class ColocatedWeightSender:
             if self.memory is not None:
                 self.memory.resume("kv_cache")
             for c in self.control_clients:
-                c.flush_cache(timeout_s=min(30.0, self.timeout_s))
+                try:
+                    c.flush_cache(timeout_s=min(30.0, self.timeout_s))
+                except RolloutServerError as e:
+                    raise WeightSyncError(f"{c.base_url} refused the cache flush after the weight update: {e}; the "
+                                          "engines stay paused and keep their old weight_version labels") from e
+            label_engines(self.control_clients, weight_version)
             stale = [(c.base_url, v) for c in self.control_clients if (v := c.weight_version()) != weight_version]
             if stale:
                 raise WeightSyncError(f"engines report a weight_version other than {weight_version!r}: {stale}")

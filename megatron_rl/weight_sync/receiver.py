@@ -13,9 +13,15 @@ None means the client's default.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Sequence
 from typing import Literal, Protocol, runtime_checkable
 
-__all__ = ["BroadcastReceiver", "EngineSession", "TensorReceiver"]
+from megatron_rl.errors import RolloutServerError, WeightSyncError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BroadcastReceiver", "EngineSession", "TensorReceiver", "label_engines"]
 
 
 @runtime_checkable
@@ -106,3 +112,34 @@ class TensorReceiver(EngineSession, Protocol):
 
     def resume_memory_occupation(self, tags: list[str] | None = None, *, timeout_s: float | None = None) -> dict:
         """Re-allocate ``tags``; answers as ``release_memory_occupation``."""
+
+
+def label_engines(engines: Sequence[EngineSession], weight_version: str) -> None:
+    """The last step of a sync, after the flush: label every engine ``weight_version``, in order
+    (``update_weight_version``, never aborting: requests paused in place must survive it).
+
+    A failure part-way rolls back the labels already set, so every engine keeps reporting the
+    version of the weights it was last labelled with as a whole sync (the caller leaves them paused).
+
+    Raises:
+        WeightSyncError: an engine refused or could not be reached (names it, and any engine whose
+            roll-back failed too).
+    """
+    done: list[tuple[EngineSession, str]] = []
+    for engine in engines:
+        try:
+            old = engine.weight_version()
+            engine.update_weight_version(weight_version, abort_all_requests=False)
+        except RolloutServerError as e:
+            failed = []
+            for labelled, was in reversed(done):
+                try:
+                    labelled.update_weight_version(was, abort_all_requests=False)
+                except RolloutServerError as e2:
+                    failed.append(f"{labelled.base_url} ({e2})")
+            back = f"; rolling back the label on {failed} failed too" if failed else (
+                f"; the {len(done)} engine(s) labelled before it got their old label back" if done else "")
+            raise WeightSyncError(f"labelling {engine.base_url} with weight_version {weight_version!r} failed: "
+                                  f"{e}{back}") from e
+        done.append((engine, old))
+    logger.debug("labelled %d engine(s) weight_version %r", len(done), weight_version)

@@ -8,8 +8,10 @@ communicator, one broadcast per tensor), with the same HTTP calls around it. One
 sync follows DESIGN.md step 7 and SGLANG_API.md: pause generation (abort), open the update
 session, then per bucket post ``/update_weights_from_distributed`` to every server from a
 thread while broadcasting the bucket's tensors (one broadcast each, ``load_format`` null, or one
-uint8 tensor with ``flattened_bucket``), close the session, flush the cache,
-check that every server reports the new ``weight_version``, continue generation.
+uint8 tensor with ``flattened_bucket``), close the session without a label, flush the cache, then
+label every server with the new ``weight_version`` (``/update_weight_version``; labels rolled back
+if one fails), check that every server reports it, continue generation. A failure before the
+labels leaves every server paused and reporting the version it had.
 
 Fail-fast: a server that refuses a bucket (HTTP 400) never joins the broadcast, so the trainer
 polls its HTTP answers while the broadcast is pending and raises ``WeightSyncError`` with
@@ -35,7 +37,7 @@ from megatron_rl.ports import find_free_port
 from megatron_rl.weight_sync.buckets import server_weight_dtype, wire_buckets
 from megatron_rl.weight_sync.group import destroy_custom_process_group, init_custom_process_group
 from megatron_rl.weight_sync.ranks import plan_transfer_ranks
-from megatron_rl.weight_sync.receiver import BroadcastReceiver
+from megatron_rl.weight_sync.receiver import BroadcastReceiver, label_engines
 
 logger = logging.getLogger(__name__)
 
@@ -304,7 +306,7 @@ class WeightSyncSender:
         self.begin_update()
         t1 = time.perf_counter()
         try:
-            stats = self.send(named_tensors, weight_version=weight_version)
+            stats = self.send(named_tensors)  # no label on the last bucket: finish_update labels after the flush
         except BaseException:
             self.close_session_after_error()
             raise
@@ -349,7 +351,8 @@ class WeightSyncSender:
 
         For each bucket, posts ``/update_weights_from_distributed`` (``flattened_bucket``,
         ``flush_cache=False``) to every server from threads while broadcasting the bucket from
-        rank 0. ``weight_version``, when given, rides on the last bucket.
+        rank 0. ``weight_version``, when given, rides on the last bucket: the server takes the label
+        before any flush, so the sync itself never passes it (``finish_update`` labels after the flush).
 
         Returns:
             ``bytes``, ``num_buckets``, ``num_tensors``, ``broadcast_time_s`` (from posting a
@@ -427,10 +430,12 @@ class WeightSyncSender:
 
     def finish_update(self, weight_version: str, *, flush_refusal_ok: bool = False,
                       before_continue: Callable[[], None] | None = None) -> None:
-        """Close the session, flush the cache, check every server's weight version, continue generation.
+        """Close the session (no label), flush the cache, label every server ``weight_version``, check
+        the labels, continue generation. The label comes last, so a refused flush leaves every
+        server paused and reporting the version it had (DESIGN.md step 7).
 
         Args:
-            weight_version: the label every server must report.
+            weight_version: the label every server gets and must then report.
             flush_refusal_ok: a live update paused ``in_place``: the flush does not wait for the
                 requests frozen in a server (they cannot finish while paused), and a server that
                 refuses it for them (SGLang's rule: their KV cache is kept on purpose) is logged,
@@ -439,8 +444,9 @@ class WeightSyncSender:
                 publisher records the version the engines now hold there).
 
         Raises:
-            WeightSyncError: a call failed or a server reports another ``weight_version`` (then the
-                servers stay paused: never sample from weights the trainer does not hold).
+            WeightSyncError: a call failed (a refused flush or label names the server; labels set
+                before a failed one are rolled back) or a server reports another ``weight_version``
+                (then the servers stay paused: never sample from weights the trainer does not hold).
         """
         weight_version = str(weight_version)
 
@@ -449,7 +455,8 @@ class WeightSyncSender:
                 c.flush_cache(timeout_s=0.0 if flush_refusal_ok else min(30.0, self.timeout_s))
             except RolloutServerError as e:
                 if not (flush_refusal_ok and e.status_code == 400):
-                    raise
+                    raise WeightSyncError(f"{c.base_url} refused the cache flush after the weight update: {e}; the "
+                                          "engines stay paused and keep their old weight_version labels") from e
                 level = logging.DEBUG if c.base_url in self._flush_refusals_logged else logging.INFO
                 self._flush_refusals_logged.add(c.base_url)
                 logger.log(level, "%s kept its prefix cache after the update: with rollout.pause_mode=in_place the "
@@ -457,8 +464,9 @@ class WeightSyncSender:
                            "expected (docs/ASYNC.md; logged once per engine): %s", c.base_url, str(e).strip())
 
         try:
-            self._all(lambda c: c.end_weight_update(weight_version=weight_version, timeout_s=self.timeout_s))
+            self._all(lambda c: c.end_weight_update(timeout_s=self.timeout_s))
             self._all(flush)
+            label_engines(self.clients, weight_version)
             versions = self._all(lambda c: c.weight_version())
         except RolloutServerError as e:
             raise WeightSyncError(f"closing the weight update failed: {e}") from e

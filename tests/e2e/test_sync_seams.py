@@ -1,5 +1,8 @@
 """Issue 32 (seams) end to end: the weight sync's trust in what engines report, against real embedded servers.
 
+- a sync whose cache flush is refused (``MEGATRON_RL_FAULT_REFUSE_FLUSH=1``) fails naming the
+  engine, and the engine, asked through its own HTTP API, still reports the OLD weight version:
+  the label is set only after the flush (DESIGN.md step 7), in both dialects;
 - a vLLM-dialect stand-in counted as 2 data-parallel replicas (``--stand-in-data-parallel-size 2``)
   answers ``/get_world_size`` as vLLM does (TP x PP x DP, TP x PP without ``include_dp``) and joins
   the transfer group at two ranks (vLLM's ``rank_offset + dp_rank * TP * PP + rank``); a sync to it
@@ -9,13 +12,17 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import httpx
 import pytest
 import torch
 
+from megatron_rl.engine.test_hooks import FAULT_REFUSE_FLUSH_ENV
+from megatron_rl.errors import WeightSyncError
 from megatron_rl.ports import find_free_port
+from megatron_rl.rollout.client import RolloutClient
 from megatron_rl.rollout.launcher import launch_rollout_server
 from megatron_rl.rollout.vllm_client import VLLMClient
 from megatron_rl.weight_sync.sender import WeightSyncSender
@@ -31,10 +38,35 @@ def model_dir(tmp_path_factory):
                              intermediate_size=64)
 
 
-def _stand_in(model_dir, log, *extra):
+def _stand_in(model_dir, log, *extra, env=None):
     args = ["--dtype", "float32", "--weight-version", "0", "--weight-sync-timeout-s", "60", "--api-dialect", "vllm",
             *extra]
-    return launch_rollout_server(model_dir, log_path=log, extra_args=args, startup_timeout_s=120)
+    return launch_rollout_server(model_dir, log_path=log, extra_args=args, startup_timeout_s=120, env=env)
+
+
+@pytest.mark.parametrize("dialect", ["sglang", "vllm"])
+def test_a_refused_flush_leaves_the_engine_reporting_the_old_version(model_dir, tmp_path, dialect):
+    env = dict(os.environ, **{FAULT_REFUSE_FLUSH_ENV: "1"})
+    args = ["--dtype", "float32", "--weight-version", "0", "--weight-sync-timeout-s", "60", "--api-dialect", dialect]
+    with launch_rollout_server(model_dir, log_path=tmp_path / "server.log", extra_args=args, startup_timeout_s=120,
+                               env=env) as proc:
+        client = (RolloutClient(proc.base_url, timeout_s=60) if dialect == "sglang"
+                  else VLLMClient(proc.base_url, max_retries=0, timeout_s=60))
+        sender = WeightSyncSender([client], backend="gloo", timeout_s=60)
+        try:
+            sender.init_group()
+            with pytest.raises(WeightSyncError) as e:
+                sender.sync(_perturbed(model_dir, 2).items(), weight_version="1")
+        finally:
+            sender.close()
+            client.close()
+        # what the engine itself says, over its HTTP API
+        if dialect == "sglang":
+            reported = httpx.get(proc.base_url + "/model_info", timeout=10).json()["weight_version"]
+        else:
+            reported = httpx.get(proc.base_url + "/weight_info", timeout=10).json()["weight_version"]
+        assert reported == "0", proc.log_tail()
+        assert proc.base_url in str(e.value) and "refused the cache flush" in str(e.value), str(e.value)
 
 
 def _perturbed(model_dir, seed: int) -> dict[str, torch.Tensor]:
