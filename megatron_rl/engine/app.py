@@ -68,6 +68,8 @@ class ServerState:
     dtype: torch.dtype
     args: argparse.Namespace
     """The server's flags (``megatron_rl.engine.server.build_arg_parser``): keys, host, port, seed."""
+    refuse_flush: bool = False
+    """Tests only: refuse every cache flush (``megatron_rl.engine.test_hooks.FAULT_REFUSE_FLUSH_ENV``)."""
     lock: ModelUpdateLock = field(default_factory=ModelUpdateLock)
     control_pool: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(4, thread_name_prefix="control")
@@ -439,6 +441,9 @@ def _add_control_routes(app: FastAPI, state: ServerState) -> None:
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache(request: Request, timeout: float = 0.0):
         await parse_body(request, EmptyBody)
+        if state.refuse_flush:
+            return PlainTextResponse("Cache not flushed: refused by MEGATRON_RL_FAULT_REFUSE_FLUSH (tests only).\n",
+                                     status_code=400)
         deadline = time.monotonic() + max(timeout, 0.0)
         while True:
             can, why = engine.can_flush()

@@ -19,7 +19,7 @@ import torch
 from megatron_rl.engine.app import ServerState, build_app
 from megatron_rl.engine.batching import GenerationEngine
 from megatron_rl.weight_sync.session import UpdateSession
-from megatron_rl.engine.test_hooks import (FAULT_REFUSE_UPDATES_ENV, forward_recorder, processed_logprobs,
+from megatron_rl.engine.test_hooks import (FAULT_REFUSE_UPDATES_ENV, forward_recorder, processed_logprobs, refuse_flush,
                                            refused_update_calls, step_delay_s)
 from megatron_rl.weight_sync.buckets import dtype_from_name
 
@@ -82,6 +82,14 @@ def build_arg_parser() -> argparse.ArgumentParser:
         help="HTTP API to serve: sglang (SGLang 0.5.23's, default) or vllm (vLLM 0.33.x's paths and bodies: a CPU "
         "stand-in for a vLLM server, the `vllm-embedded` rollout backend; docs/VLLM_API.md)",
     )
+    p.add_argument(
+        "--stand-in-data-parallel-size",
+        type=int,
+        default=1,
+        help="with --api-dialect vllm: count as N data-parallel replicas of one worker each, as vLLM's "
+        "--data-parallel-size (/get_world_size answers N; the server joins the weight-transfer group at N ranks, "
+        "megatron_rl.engine.dp_replicas)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument(
         "--parent-pid",
@@ -134,6 +142,9 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error(f"--context-length {args.context_length}: must be >= 2 (a prompt token and an output token)")
     if args.weight_sync_timeout_s <= 0:
         parser.error(f"--weight-sync-timeout-s {args.weight_sync_timeout_s}: must be > 0")
+    if args.stand_in_data_parallel_size < 1 or (args.stand_in_data_parallel_size > 1 and args.api_dialect != "vllm"):
+        parser.error(f"--stand-in-data-parallel-size {args.stand_in_data_parallel_size}: must be >= 1, and > 1 only "
+                     "with --api-dialect vllm")
     with socket.socket() as sock:  # the port is free now (uvicorn binds it after the model loads)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -216,7 +227,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                        "routing will be returned", type(model).__name__)
     session = UpdateSession(engine, group_timeout_s=args.weight_sync_timeout_s, refused_calls=refused_update_calls(),
                             refused_by=FAULT_REFUSE_UPDATES_ENV)
-    state = ServerState(engine=engine, session=session, model_path=args.model_path, dtype=torch_dtype, args=args)
+    state = ServerState(engine=engine, session=session, model_path=args.model_path, dtype=torch_dtype, args=args,
+                        refuse_flush=refuse_flush())
     if args.api_dialect == "vllm":
         from megatron_rl.engine.vllm_dialect import build_vllm_app
 

@@ -4,7 +4,7 @@ The trainer's recovery paths (a refused bucket, a sync retried, a group re-creat
 reach with a healthy server; the variables below make the server fail on purpose, so that the
 end-to-end tests (tests/e2e/test_weight_sync.py, tests/e2e/test_sync_faults.py) can reach them.
 They are read once, when the server starts (``refused_update_calls``, ``step_delay_s``,
-``forward_recorder``, ``processed_logprobs``).
+``forward_recorder``, ``processed_logprobs``, ``refuse_flush``).
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ import os
 import threading
 from collections.abc import Callable
 
-__all__ = ["FAULT_REFUSE_UPDATES_ENV", "FORWARD_LOG_ENV", "PROCESSED_LOGPROBS_ENV", "STEP_DELAY_ENV",
-           "forward_recorder", "processed_logprobs", "refused_update_calls", "step_delay_s"]
+__all__ = ["FAULT_REFUSE_FLUSH_ENV", "FAULT_REFUSE_UPDATES_ENV", "FORWARD_LOG_ENV", "PROCESSED_LOGPROBS_ENV",
+           "STEP_DELAY_ENV", "forward_recorder", "processed_logprobs", "refuse_flush", "refused_update_calls",
+           "step_delay_s"]
 
 FAULT_REFUSE_UPDATES_ENV = "MEGATRON_RL_FAULT_REFUSE_WEIGHT_UPDATES"
 """Fault injection, for tests of the trainer's sync retry: a comma-separated list of 1-based
@@ -109,4 +110,23 @@ def processed_logprobs() -> bool:
     raw = os.environ.get(PROCESSED_LOGPROBS_ENV, "").strip()
     if raw not in ("", "0", "1"):
         raise ValueError(f"{PROCESSED_LOGPROBS_ENV}={raw!r}: expected 1 (report temperature-scaled log-probs) or 0")
+    return raw == "1"
+
+
+FAULT_REFUSE_FLUSH_ENV = "MEGATRON_RL_FAULT_REFUSE_FLUSH"
+"""Fault injection, for tests of the sync's step order (tests/e2e/test_sync_seams.py): ``1`` makes the
+server refuse every cache flush (``/flush_cache`` answers 400, as SGLang does while requests hold
+cache; the vLLM dialect's ``/reset_prefix_cache`` answers ``{"success": false}``), so a sync fails
+after its weights landed and before its engines are labelled. Unset (or ``0``) in normal use."""
+
+
+def refuse_flush() -> bool:
+    """Whether ``FAULT_REFUSE_FLUSH_ENV`` is ``1`` (False when unset, blank or ``0``).
+
+    Raises:
+        ValueError: any other value (the message names the variable).
+    """
+    raw = os.environ.get(FAULT_REFUSE_FLUSH_ENV, "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{FAULT_REFUSE_FLUSH_ENV}={raw!r}: expected 1 (refuse every cache flush) or 0")
     return raw == "1"

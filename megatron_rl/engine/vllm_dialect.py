@@ -23,7 +23,10 @@ completion must ask ``return_tokens_as_token_ids`` and gets ``text: ""``; a comp
 field vLLM would ignore is refused (400), so that a client sending something vLLM drops is caught;
 the transfer group is a gloo group of ``megatron_rl.weight_sync.group`` on CPU (vLLM's is NCCL,
 ``StatelessProcessGroup`` + ``PyNcclCommunicator``), and ``packed`` transfer is refused; no
-``/weight_checker``. ``--api-key`` guards ``/v1/*`` only, as vLLM's. Sleep mode is a state only (no
+``/weight_checker``. ``--stand-in-data-parallel-size N`` makes it count as N data-parallel replicas of one
+worker each, as vLLM's ``--data-parallel-size`` does: ``/get_world_size`` answers N (1 with
+``include_dp=false``) and it joins the transfer group at ranks ``rank_offset .. rank_offset + N - 1``
+(``engine.dp_replicas``; an offset and world size that cannot hold them are refused, 400). ``--api-key`` guards ``/v1/*`` only, as vLLM's. Sleep mode is a state only (no
 memory is released; that is the colocation helper's job): ``/sleep`` pauses as ``/pause`` does and
 marks the parts asleep, ``/wake_up`` wakes the named parts and resumes once all are awake, and a
 completion is refused while any part sleeps (503, vLLM's "Generation is paused" error) and, after a
@@ -58,11 +61,16 @@ from megatron_rl.engine.app import (
     with_write_lock,
 )
 from megatron_rl.engine.bodies import RequestError, validation_text
+from megatron_rl.engine.dp_replicas import ReplicaMembers
 from megatron_rl.engine.moe import encode_routed_experts_npy
 from megatron_rl.engine.sampling import parse_sampling_params
+from megatron_rl.weight_sync.ranks import engine_transfer_ranks
 from megatron_rl.weight_sync.session import SessionError
 
-__all__ = ["GROUP_NAME", "build_vllm_app"]
+__all__ = ["GROUP_NAME", "REPLICA_WORLD_SIZE", "build_vllm_app"]
+
+REPLICA_WORLD_SIZE = 1
+"""TP x PP of one of the stand-in's data-parallel replicas: one worker (``engine.dp_replicas``)."""
 
 GROUP_NAME = "weight_update_group"
 """The stand-in's one transfer group. vLLM's is unnamed (one weight-transfer engine per server);
@@ -229,6 +237,15 @@ def build_vllm_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="megatron-rl embedded rollout server (vLLM dialect stand-in)", docs_url=None, redoc_url=None,
                   openapi_url=None)
     engine, session, args = state.engine, state.session, state.args
+    replicas = ReplicaMembers(int(getattr(args, "stand_in_data_parallel_size", 1)),
+                              timeout_s=float(getattr(args, "weight_sync_timeout_s", 600.0)))
+
+    def _loaded_weight(name: str):
+        param = engine.get_parameter(name)
+        if param is None:
+            return None
+        with engine.model_lock:
+            return param.detach().clone()
     sleeping: dict[str, Any] = {"asleep": set(), "lost_weights": False}  # sleep mode: a state only (module doc)
 
     @app.middleware("http")
@@ -267,8 +284,8 @@ def build_vllm_app(state: ServerState) -> FastAPI:
             "root": state.model_path, "parent": None, "max_model_len": engine.max_context_len, "permission": []}]})
 
     @app.get("/get_world_size")
-    async def get_world_size(include_dp: bool = True):
-        return JSONResponse({"world_size": 1})
+    async def get_world_size(include_dp: bool = True):  # vLLM: TP x PP x DP, or TP x PP without include_dp
+        return JSONResponse({"world_size": REPLICA_WORLD_SIZE * (replicas.dp_size if include_dp else 1)})
 
     @app.get("/weight_info")
     async def weight_info():
@@ -348,7 +365,7 @@ def build_vllm_app(state: ServerState) -> FastAPI:
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(reset_running_requests: bool = False, reset_external: bool = False):
-        return JSONResponse({"success": True})  # the engine keeps no cache across requests
+        return JSONResponse({"success": not state.refuse_flush})  # no cache across requests; refused: tests only
 
     # ---- sleep mode (a state only: see the module docstring) ---------------------------
 
@@ -385,14 +402,28 @@ def build_vllm_app(state: ServerState) -> FastAPI:
         if info.packed:
             return error("the stand-in receives one broadcast per tensor; packed transfer is not supported")
 
+        try:  # vLLM's rank arithmetic, checked before joining: a wrong count would hang the rendezvous
+            ranks = engine_transfer_ranks(info.rank_offset, info.world_size, replica_world_size=REPLICA_WORLD_SIZE,
+                                          dp_size=replicas.dp_size, engine="this server")
+        except ValueError as e:
+            return error(str(e))
+
         def join():
             if GROUP_NAME in session.groups:  # vLLM replaces its transfer group on a new init
+                replicas.leave()
                 try:
                     session.destroy_group(GROUP_NAME)
                 except SessionError:
                     pass
+            wait = replicas.start_join(host=info.master_address, port=info.master_port, world_size=info.world_size,
+                                       ranks=ranks[1:], group_name=GROUP_NAME) if len(ranks) > 1 else None
             session.init_group(name=GROUP_NAME, backend="gloo", host=info.master_address, port=info.master_port,
-                               world_size=info.world_size, rank=info.rank_offset)
+                               world_size=info.world_size, rank=ranks[0])
+            if wait is not None:
+                try:
+                    wait()
+                except RuntimeError as e:
+                    raise SessionError(f"Failed to init group: {e}") from e
 
         await state.in_control_thread(join)
         return JSONResponse({"message": "Weight transfer initialized"})
@@ -423,7 +454,13 @@ def build_vllm_app(state: ServerState) -> FastAPI:
                                   group_name=GROUP_NAME, load_format=None)
 
         async def run():
+            check = replicas.start_receive(info.names, info.dtype_names, info.shapes) if replicas.members else None
             await receive_update(state, call)
+            if check is not None:
+                try:
+                    await state.in_control_thread(check, _loaded_weight)
+                except RuntimeError as e:
+                    raise SessionError(f"Failed to update weights: {e}") from e
             return JSONResponse({"message": "Weights updated"})
 
         return await with_write_lock(state, run)

@@ -345,8 +345,9 @@ class RolloutClient(HTTPEngineClient):
         """The server's current weight version label (``/model_info``)."""
         return str(self.model_info()["weight_version"])
 
-    def tp_size(self) -> int:
-        """Tensor-parallel size of the server (its number of ranks in a weight-update group)."""
+    def transfer_world_size(self) -> int:
+        """Ranks the server adds to a weight-update group: SGLang's TP workers, each joining at
+        ``rank_offset + tp_rank`` (``/server_info`` ``tp_size``; 1 when not reported)."""
         return int(self.server_info().get("tp_size", 1))
 
     def context_length(self) -> int | None:
@@ -531,8 +532,18 @@ class RolloutClient(HTTPEngineClient):
         )
         return str(self._check(resp, "/flush_cache"))
 
-    def update_weight_version(self, new_version: str, abort_all_requests: bool = True) -> dict:
-        """``POST /update_weight_version``: relabel the weights only."""
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict:
+        """``POST /update_weight_version``: relabel the weights only.
+
+        Args:
+            new_version: the new label (``weight_version`` of every later generation).
+            abort_all_requests: also abort every request in the engine first. Default False (the
+                safe one; SGLang's own default is True): a relabel after an in-place update must
+                not abort the requests paused in place. Callers that want the abort pass True.
+
+        Raises:
+            RolloutServerError: the server refused or could not be reached.
+        """
         return self._control(
             "/update_weight_version", {"new_version": new_version, "abort_all_requests": abort_all_requests}
         )

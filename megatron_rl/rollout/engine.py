@@ -124,8 +124,9 @@ class RolloutEngine(abc.ABC):
         """Label of the weights the engine samples from."""
 
     @abc.abstractmethod
-    def tp_size(self) -> int:
-        """Tensor-parallel workers of the engine (ranks it adds to a weight-update group)."""
+    def transfer_world_size(self) -> int:
+        """Ranks the engine adds to a weight-transfer group: every worker that receives the weights
+        (SGLang: its TP workers; vLLM: TP x PP x DP, `/get_world_size` with `include_dp`)."""
 
     def context_length(self) -> int | None:
         """Tokens one sequence (prompt + response) may hold on this engine; None when the engine

@@ -303,8 +303,14 @@ class VLLMClient(HTTPEngineClient):
         """``GET /weight_info`` -> ``weight_version``."""
         return str(self._dict("GET", "/weight_info", ("weight_version",))["weight_version"])
 
-    def tp_size(self) -> int:
-        """``GET /get_world_size``: the server's workers (TP x PP x DP), its ranks in the transfer group."""
+    def transfer_world_size(self) -> int:
+        """``GET /get_world_size`` (``include_dp`` true, vLLM's default): the server's workers across
+        its data-parallel replicas, TP x PP x DP, its ranks in the transfer group (vLLM's worker of
+        DP replica d and rank r joins at ``rank_offset + d * TP * PP + r``).
+
+        Raises:
+            RolloutServerError: no answer, or ``world_size`` is not an integer.
+        """
         try:
             return int(self._dict("GET", "/get_world_size", ("world_size",))["world_size"])
         except (TypeError, ValueError):
@@ -568,6 +574,15 @@ class VLLMClient(HTTPEngineClient):
             self._sleep.needs_reload = False  # the caller of sleep(level=2) promised a full reload: this is it
         return data
 
-    def update_weight_version(self, new_version: str) -> dict:
-        """``POST /update_weight_version`` {"new_version"}: relabel the weights only."""
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> dict:
+        """``POST /update_weight_version`` {"new_version"}: relabel the weights only.
+
+        ``abort_all_requests`` (default False, as ``RolloutClient``'s): vLLM's endpoint takes no such
+        field, so True aborts every request first (``POST /abort_requests`` {}), then relabels.
+
+        Raises:
+            RolloutServerError: the server refused or could not be reached.
+        """
+        if abort_all_requests:
+            self.abort_request(abort_all=True)
         return self._dict("POST", "/update_weight_version", ("new_version",), json={"new_version": new_version})

@@ -21,16 +21,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 
 from megatron_rl.errors import RolloutServerError, WeightSyncError
 from megatron_rl.weight_sync.buckets import bucket_named_tensors, cast_named_tensors, server_weight_dtype
 from megatron_rl.weight_sync.ipc import ColocatedSender, serialize_named_tensors
-
-if TYPE_CHECKING:
-    from megatron_rl.rollout.client import RolloutClient
+from megatron_rl.weight_sync.receiver import TensorReceiver, label_engines
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +118,7 @@ class EngineMemory:
             reading after that).
     """
 
-    def __init__(self, clients: Callable[[], list["RolloutClient"]], log: PhaseLog, *,
+    def __init__(self, clients: Callable[[], list[TensorReceiver]], log: PhaseLog, *,
                  release_poll: Optional[Callable[[], float]] = None, release_threshold_gib: float = 0.0,
                  max_polls: int = 60, poll_interval_s: float = 1.0) -> None:
         self.clients = clients
@@ -214,7 +212,7 @@ class ColocatedWeightSender:
         ValueError: no clients at all, `buffers` not 1 or 2, or an unknown `load_format`.
     """
 
-    def __init__(self, clients: list["RolloutClient"], *, control_clients: Optional[list["RolloutClient"]] = None,
+    def __init__(self, clients: list[TensorReceiver], *, control_clients: Optional[list[TensorReceiver]] = None,
                  memory: Optional[EngineMemory] = None,
                  bucket_size_mib: float = 512.0, timeout_s: float = 600.0, dtype: torch.dtype | None = None,
                  keep_buffer: bool = False, buffers: int = 1, load_format: Optional[str] = "flattened_bucket") -> None:
@@ -420,9 +418,15 @@ class ColocatedWeightSender:
 
     def finish_update(self, weight_version: str, *, flush_refusal_ok: bool = False,
                       before_continue=None) -> None:
-        """Close the session, resume the KV cache, check every engine's version, continue (the
-        `WeightSyncSender.finish_update` signature: `before_continue()` runs just before the continue;
-        `flush_refusal_ok` never applies, nothing is in flight in colocated mode)."""
+        """Close the session (no label), resume the KV cache, flush, label every engine
+        `weight_version` (rolled back if one fails), check the labels, continue (the
+        `WeightSyncSender.finish_update` signature and order: `before_continue()` runs just before the
+        continue; `flush_refusal_ok` never applies, nothing is in flight in colocated mode).
+
+        Raises:
+            WeightSyncError: a call failed (a refused flush or label names the engine; the engines
+                stay paused with their old labels) or an engine reports another version.
+        """
         weight_version = str(weight_version)
         try:
             for c in self.control_clients:
@@ -430,7 +434,12 @@ class ColocatedWeightSender:
             if self.memory is not None:
                 self.memory.resume("kv_cache")
             for c in self.control_clients:
-                c.flush_cache(timeout_s=min(30.0, self.timeout_s))
+                try:
+                    c.flush_cache(timeout_s=min(30.0, self.timeout_s))
+                except RolloutServerError as e:
+                    raise WeightSyncError(f"{c.base_url} refused the cache flush after the weight update: {e}; the "
+                                          "engines stay paused and keep their old weight_version labels") from e
+            label_engines(self.control_clients, weight_version)
             stale = [(c.base_url, v) for c in self.control_clients if (v := c.weight_version()) != weight_version]
             if stale:
                 raise WeightSyncError(f"engines report a weight_version other than {weight_version!r}: {stale}")

@@ -12,9 +12,11 @@ One sync, collective over every trainer rank (typed messages, no sentinels):
   1. controller: restart dead engines (`ServerFleet`), then send a `SyncPlan` to every rank;
   2. every stage source (re)creates its group when the plan says so; errors are shared;
   3. controller: pause + open the session on every engine;
-  4. stage 0, 1, ... in turn send their tensors (the version rides on the last stage's last bucket);
+  4. stage 0, 1, ... in turn send their tensors (no version label rides on any bucket);
      after each stage its source shares a `StageReport`;
-  5. controller: close the session, flush, check every engine's version, continue.
+  5. controller: close the session without a label, flush, then label every engine with the new
+     version (labels rolled back if one fails), check them, continue. A refused flush leaves every
+     engine paused and reporting the version it had.
 A failed attempt (any step) is retried once with every group re-created; a second failure raises
 `WeightSyncError` on every rank.
 
@@ -44,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rl.errors import RolloutServerError, WeightSyncError
+from megatron_rl.weight_sync.receiver import EngineSession
 from megatron_rl.weight_sync.sender import sync_metrics
 from megatron_rl.parallel.control import (ControllerFailed, broadcast_object, gather_objects, receive_from_controller,
                                          send_to_ranks)
@@ -247,7 +250,7 @@ class WeightPublisher:
         if self.node_sources and error is None:  # colocated: every node leader feeds its engines at once
             report = None
             if self.is_source:
-                report = self._send_stage(0, plan, last=True)
+                report = self._send_stage(0, plan)
             elif self._tp_source in self.sources:
                 self._take_part()
             reports = self._gathered(report)
@@ -325,24 +328,23 @@ class WeightPublisher:
         before any pause, case N10 D), through the fleet's clients: the ones that sent them (a vLLM
         client aborts only the requests it knows). A failed abort is logged: that engine's requests
         fail with it."""
-        for client in self.fleet.up_clients():
+        clients: list[EngineSession] = self.fleet.up_clients()
+        for client in clients:
             for rid in rids:
                 try:
                     client.abort_request(rid)
                 except RolloutServerError as e:
                     logger.warning("aborting stale request %s on %s failed: %s", rid, client.base_url, e)
 
-    def _send_stage(self, stage: int, plan: SyncPlan, *, last: bool | None = None) -> StageReport:
-        """This stage's source: send the stage's tensors (the TP peers gather along in `_take_part`);
-        the version label goes with the last stage's (`last`, default: this is the last stage)."""
+    def _send_stage(self, stage: int, plan: SyncPlan) -> StageReport:
+        """This stage's source: send the stage's tensors (the TP peers gather along in `_take_part`).
+        No label goes with them: `_finish` labels the engines after the flush."""
         weights = self._stage_weights()
         if self.check:
             self._expected = {}
             weights = self.sender.checksums(weights, self._expected)
-        if last is None:
-            last = stage == len(self.sources) - 1
         try:
-            stats = self.sender.send(weights, weight_version=str(plan.version) if last else None)
+            stats = self.sender.send(weights)
         except Exception as e:  # noqa: BLE001 - shared with every rank, see _ensure_group
             for _ in weights:  # drain: the TP peers' gathers stay in step
                 pass
@@ -415,6 +417,7 @@ class WeightPublisher:
         """Destroy this rank's group (stage sources), stop the sender's threads, close its clients."""
         if self.sender is not None:
             self.sender.close()
-            clients = {id(c): c for c in [*self.sender.clients, *getattr(self.sender, "control_clients", [])]}
+            clients: dict[int, EngineSession] = {
+                id(c): c for c in [*self.sender.clients, *getattr(self.sender, "control_clients", [])]}
             for client in clients.values():
                 client.close()

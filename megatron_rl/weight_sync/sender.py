@@ -8,8 +8,10 @@ communicator, one broadcast per tensor), with the same HTTP calls around it. One
 sync follows DESIGN.md step 7 and SGLANG_API.md: pause generation (abort), open the update
 session, then per bucket post ``/update_weights_from_distributed`` to every server from a
 thread while broadcasting the bucket's tensors (one broadcast each, ``load_format`` null, or one
-uint8 tensor with ``flattened_bucket``), close the session, flush the cache,
-check that every server reports the new ``weight_version``, continue generation.
+uint8 tensor with ``flattened_bucket``), close the session without a label, flush the cache, then
+label every server with the new ``weight_version`` (``/update_weight_version``; labels rolled back
+if one fails), check that every server reports it, continue generation. A failure before the
+labels leaves every server paused and reporting the version it had.
 
 Fail-fast: a server that refuses a bucket (HTTP 400) never joins the broadcast, so the trainer
 polls its HTTP answers while the broadcast is pending and raises ``WeightSyncError`` with
@@ -24,7 +26,6 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 
@@ -35,9 +36,8 @@ from megatron_rl.errors import RolloutServerError, WeightSyncError
 from megatron_rl.ports import find_free_port
 from megatron_rl.weight_sync.buckets import server_weight_dtype, wire_buckets
 from megatron_rl.weight_sync.group import destroy_custom_process_group, init_custom_process_group
-
-if TYPE_CHECKING:  # the engines' client; weight_sync never imports rollout at run time
-    from megatron_rl.rollout.engine import RolloutEngine as RolloutClient
+from megatron_rl.weight_sync.ranks import plan_transfer_ranks
+from megatron_rl.weight_sync.receiver import BroadcastReceiver, label_engines
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +84,8 @@ class WeightSyncSender:
     """Broadcast trainer weights to rollout servers (SGLang or embedded) over one private group.
 
     Args:
-        clients: one ``RolloutClient`` per server; each joins with its ``tp_size`` ranks.
+        clients: one client per server (``receiver.BroadcastReceiver``); each joins with its
+            ``transfer_world_size()`` ranks.
         master_address: address the servers reach this process at (the TCPStore host).
         master_port: rendezvous port; None picks a free one on ``master_address``.
         backend: ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors).
@@ -109,7 +110,7 @@ class WeightSyncSender:
 
     def __init__(
         self,
-        clients: list[RolloutClient],
+        clients: list[BroadcastReceiver],
         *,
         master_address: str = "127.0.0.1",
         master_port: int | None = None,
@@ -151,18 +152,21 @@ class WeightSyncSender:
         """True between a successful ``init_group()`` and ``destroy()``."""
         return self._pg is not None
 
-    def _all(self, fn: Callable[[RolloutClient], object]) -> list[object]:
+    def _all(self, fn: Callable[[BroadcastReceiver], object]) -> list[object]:
         futures = [self._pool.submit(fn, c) for c in self.clients]
         return [f.result() for f in futures]
 
     def init_group(self) -> None:
         """Create the group: post ``/init_weights_update_group`` to every server while joining as rank 0.
 
-        World size is 1 + the sum of the servers' ``tp_size``; server *i* joins at rank offset
-        1 + the TP sizes of servers before it.
+        World size is 1 + the sum of the servers' ``transfer_world_size()`` (SGLang: TP workers;
+        vLLM: TP x PP x DP); server *i* joins at rank offset 1 + the ranks of the servers before it
+        (``weight_sync.ranks.plan_transfer_ranks``, checked before any server is asked to join).
 
         Raises:
-            WeightSyncError: a server refused or the rendezvous failed/timed out.
+            WeightSyncError: a server reports an impossible number of ranks or is listed twice (names
+                it, with the expected and reported numbers), a server refused, or the rendezvous
+                failed/timed out.
         """
         if self._pg is not None:
             raise WeightSyncError("init_group() called twice; call destroy() first")
@@ -175,13 +179,14 @@ class WeightSyncSender:
                 raise WeightSyncError(str(e)) from e
         port = self.master_port or find_free_port(self.master_address)
         try:
-            tp_sizes = [int(t) for t in self._all(lambda c: c.tp_size())]
+            sizes = self._all(lambda c: c.transfer_world_size())
             if self.dtype is None:
                 self.dtype = server_weight_dtype(self.clients[0].model_info(), url=self.clients[0].base_url)
         except RolloutServerError as e:
             raise WeightSyncError(f"cannot query the rollout servers: {e}") from e
-        world_size = 1 + sum(tp_sizes)
-        offsets = [1 + sum(tp_sizes[:i]) for i in range(len(self.clients))]
+        # checked before any engine is asked to join: a wrong count would hang the rendezvous instead
+        ranks = plan_transfer_ranks([(c.base_url, s) for c, s in zip(self.clients, sizes, strict=True)])
+        world_size, offsets = ranks.world_size, ranks.offsets
         # a group of this name left by a trainer that died (a server this run did not start) would
         # make the server refuse the new one: drop it first; "no such group" is the usual answer.
         # A trainer that died mid-sync also left its update session open, which would refuse the
@@ -301,7 +306,7 @@ class WeightSyncSender:
         self.begin_update()
         t1 = time.perf_counter()
         try:
-            stats = self.send(named_tensors, weight_version=weight_version)
+            stats = self.send(named_tensors)  # no label on the last bucket: finish_update labels after the flush
         except BaseException:
             self.close_session_after_error()
             raise
@@ -346,7 +351,8 @@ class WeightSyncSender:
 
         For each bucket, posts ``/update_weights_from_distributed`` (``flattened_bucket``,
         ``flush_cache=False``) to every server from threads while broadcasting the bucket from
-        rank 0. ``weight_version``, when given, rides on the last bucket.
+        rank 0. ``weight_version``, when given, rides on the last bucket: the server takes the label
+        before any flush, so the sync itself never passes it (``finish_update`` labels after the flush).
 
         Returns:
             ``bytes``, ``num_buckets``, ``num_tensors``, ``broadcast_time_s`` (from posting a
@@ -424,10 +430,12 @@ class WeightSyncSender:
 
     def finish_update(self, weight_version: str, *, flush_refusal_ok: bool = False,
                       before_continue: Callable[[], None] | None = None) -> None:
-        """Close the session, flush the cache, check every server's weight version, continue generation.
+        """Close the session (no label), flush the cache, label every server ``weight_version``, check
+        the labels, continue generation. The label comes last, so a refused flush leaves every
+        server paused and reporting the version it had (DESIGN.md step 7).
 
         Args:
-            weight_version: the label every server must report.
+            weight_version: the label every server gets and must then report.
             flush_refusal_ok: a live update paused ``in_place``: the flush does not wait for the
                 requests frozen in a server (they cannot finish while paused), and a server that
                 refuses it for them (SGLang's rule: their KV cache is kept on purpose) is logged,
@@ -436,8 +444,9 @@ class WeightSyncSender:
                 publisher records the version the engines now hold there).
 
         Raises:
-            WeightSyncError: a call failed or a server reports another ``weight_version`` (then the
-                servers stay paused: never sample from weights the trainer does not hold).
+            WeightSyncError: a call failed (a refused flush or label names the server; labels set
+                before a failed one are rolled back) or a server reports another ``weight_version``
+                (then the servers stay paused: never sample from weights the trainer does not hold).
         """
         weight_version = str(weight_version)
 
@@ -446,7 +455,8 @@ class WeightSyncSender:
                 c.flush_cache(timeout_s=0.0 if flush_refusal_ok else min(30.0, self.timeout_s))
             except RolloutServerError as e:
                 if not (flush_refusal_ok and e.status_code == 400):
-                    raise
+                    raise WeightSyncError(f"{c.base_url} refused the cache flush after the weight update: {e}; the "
+                                          "engines stay paused and keep their old weight_version labels") from e
                 level = logging.DEBUG if c.base_url in self._flush_refusals_logged else logging.INFO
                 self._flush_refusals_logged.add(c.base_url)
                 logger.log(level, "%s kept its prefix cache after the update: with rollout.pause_mode=in_place the "
@@ -454,8 +464,9 @@ class WeightSyncSender:
                            "expected (docs/ASYNC.md; logged once per engine): %s", c.base_url, str(e).strip())
 
         try:
-            self._all(lambda c: c.end_weight_update(weight_version=weight_version, timeout_s=self.timeout_s))
+            self._all(lambda c: c.end_weight_update(timeout_s=self.timeout_s))
             self._all(flush)
+            label_engines(self.clients, weight_version)
             versions = self._all(lambda c: c.weight_version())
         except RolloutServerError as e:
             raise WeightSyncError(f"closing the weight update failed: {e}") from e
@@ -541,7 +552,7 @@ class WeightSyncSender:
             raise WeightSyncError(f"checksum check after the sync: servers hold other weights than the trainer: {detail}")
         return {"weight_sync/checked_tensors": float(checked), "weight_sync/unverifiable_tensors": float(unverifiable)}
 
-    def reinit(self, clients: list[RolloutClient]) -> None:
+    def reinit(self, clients: list[BroadcastReceiver]) -> None:
         """Re-create the group over ``clients`` (after a server restart, a dropped server, or a
         ``group_broken`` error): destroy the old one (best effort: a dead server cannot answer),
         then ``init_group()``. The servers' dtype is read again.

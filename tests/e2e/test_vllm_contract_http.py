@@ -73,7 +73,7 @@ def _session(c: VLLMClient) -> list:
     """Every call of the client but ``generate`` (captured separately), in an order vLLM accepts."""
     c._inflight.add("rid-7")  # a generation in flight, so that abort by prefix names its engine id
     return [
-        c.is_healthy(), c.tp_size(), c.weight_version(), c.model_info(), c.is_paused(),
+        c.is_healthy(), c.transfer_world_size(), c.weight_version(), c.model_info(), c.is_paused(),
         c.pause_generation("abort"), c.pause_generation("in_place"), c.pause_generation("retract"),
         c.continue_generation(), c.abort_request(rid="rid-"), c.abort_request(abort_all=True), c.flush_cache(),
         c.sleep(level=0), c.wake_up(["scheduling"]), c.sleep(level=1, mode="wait"), c.wake_up(["weights"]),

@@ -64,6 +64,11 @@ class FakeEngine:
     def weight_version(self):
         return self.version
 
+    def update_weight_version(self, new_version, abort_all_requests=False):
+        assert not abort_all_requests  # the sync never aborts to relabel
+        self.l.note(("label", new_version))
+        self.version = new_version
+
     def continue_generation(self):
         self.l.note(("continue",))
 
@@ -112,7 +117,7 @@ def test_order_and_peaks_on_the_ledger():
     names = [c[0] for c in ledger.calls]
     one_step = names[:names.index("generate", 1) + 1]
     assert one_step == ["generate", "release", "barrier", "onload", "train", "offload", "resume", "pause", "begin",
-                        "update", "update", "update", "end", "resume", "flush", "continue", "generate"]
+                        "update", "update", "update", "end", "resume", "flush", "label", "continue", "generate"]
     assert ledger.calls[1] == ("release", ("weights", "kv_cache"))
     assert ledger.calls[6] == ("resume", ("weights",)) and ledger.calls[13] == ("resume", ("kv_cache",))
     assert ledger.peak <= 24  # 20 (train), 2 + 8 + 1 (update), 2 + 8 + 10 (generate)

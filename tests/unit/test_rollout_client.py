@@ -249,3 +249,20 @@ def test_a_callers_transport_needs_no_ssl_context(monkeypatch):
     c = RolloutClient("http://x", transport=httpx.MockTransport(lambda r: httpx.Response(200, json={})))
     c.health()   # answered through the transport; raised FileNotFoundError when the context was built
     c.close()
+
+
+def test_update_weight_version_does_not_abort_by_default():
+    """Issue 32 (seams): a relabel after an in-place update must not abort the requests paused in
+    place, so the request body a caller gets without passing `abort_all_requests` says false; a
+    caller that wants the abort says so."""
+    bodies = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        bodies.append((request.url.path, json.loads(request.content)))
+        return httpx.Response(200, json={"success": True, "message": "ok"})
+
+    c = RolloutClient("http://mock", transport=httpx.MockTransport(handler), timeout_s=5)
+    c.update_weight_version("3")
+    c.update_weight_version("4", abort_all_requests=True)
+    assert bodies == [("/update_weight_version", {"new_version": "3", "abort_all_requests": False}),
+                      ("/update_weight_version", {"new_version": "4", "abort_all_requests": True})]

@@ -192,13 +192,13 @@ def test_http_error_and_foreign_info_answers_raise():
         c.generate([1], {}, "r")
     assert e.value.status_code == 400
     with pytest.raises(RolloutServerError, match=r"vLLM 0\.33\.x's shape"):
-        c.tp_size()
+        c.transfer_world_size()
 
 
 def test_info_control_and_abort_by_prefix():
     fake = FakeVLLM()
     c = _client(fake)
-    assert c.tp_size() == 2 and c.is_healthy() and not c.is_paused()
+    assert c.transfer_world_size() == 2 and c.is_healthy() and not c.is_paused()
     fake.version = "3"
     assert c.model_info() == {"model_path": "/models/x", "max_model_len": 4096, "weight_version": "3"}
     assert c.pause_generation("abort") == {"status": "paused"}
@@ -408,7 +408,7 @@ def test_a_server_without_vllms_rl_routes_is_named_as_such():
     c = VLLMClient("http://openai-only:8000", transport=httpx.MockTransport(openai_only), max_retries=0)
     with pytest.raises(RolloutServerError, match=r"GET /get_world_size .*HTTP 404.*vLLM 0\.33\.x.*"
                                                  r"VLLM_SERVER_DEV_MODE=1") as e:
-        c.tp_size()
+        c.transfer_world_size()
     assert e.value.status_code == 404
     with pytest.raises(RolloutServerError) as e:  # a sleep route's 404 keeps its own meaning
         c.is_sleeping()
