@@ -5,6 +5,9 @@ Checked pages: README.md, docs/*.md, and the READMEs under examples/, slurm/ and
 - Links: every relative markdown link `[text](target)` names an existing file or folder, and every
   `#anchor` (in the same page or another markdown page) names one of its headings, slugged as GitHub
   does. External links (`http:`, `https:`, `mailto:`) are not fetched.
+- Paths in code spans: a `benchmarks/results/x.json`-style path in inline code that starts with one of
+  the repository's top-level folders (`PATH_ROOTS`) names an existing file or folder; patterns
+  (`{a,b}`, `*`, `<k>`, `NNN`) are not checked, and `NOT_REPO_PATHS` lists the few that are not ours.
 - The index: every page of docs/ is linked from docs/index.md.
 - The configuration reference: docs/configuration.md equals `scripts/gen_config_docs.py`'s output.
 - Commands (README.md and docs/*.md): each fenced ```bash block is either run or skipped, never silently
@@ -99,6 +102,32 @@ def broken_links(page: Path) -> list[str]:
     return problems
 
 
+PATH_ROOTS = (".ci/", "benchmarks/", "docs/", "examples/", "megatron_rl/", "scripts/", "slurm/", "tests/", "tools/")
+NOT_REPO_PATHS = {
+    "docs/source/performance.md": "a file of TensorRT-LLM's repository (docs/cost_model.md cites it)",
+    "benchmarks/.trl-venv": "created by benchmarks/trl_compare.py on first use",
+}
+
+
+def missing_code_paths(page: Path) -> list[str]:
+    problems = []
+    fenced = False
+    for n, line in enumerate(page.read_text().splitlines(), 1):
+        if FENCE.match(line):
+            fenced = not fenced
+            continue
+        if fenced:
+            continue
+        for m in re.finditer(r"`([^`\s]+)`", line):
+            path = re.sub(r"(::|[:#]).*$", "", m.group(1)).rstrip(".,;")
+            if (not path.startswith(PATH_ROOTS) or path in NOT_REPO_PATHS
+                    or re.search(r"[{}*<>$]|NNN|\.\.\.", path)):
+                continue
+            if not (REPO / path).exists():
+                problems.append(f"{_rel(page)}:{n}: `{m.group(1)}`: no such file or folder")
+    return problems
+
+
 def test_github_slug():
     assert github_slug("Measured (2 CPU cores, no GPU)") == "measured-2-cpu-cores-no-gpu"
     assert github_slug("3. Advantage estimators (`algorithm.adv_estimator`, a registry)") == \
@@ -111,6 +140,13 @@ def test_links_and_anchors_resolve(page):
     assert page.exists(), f"{_rel(page)} is gone: update LINKED_PAGES"
     problems = broken_links(page)
     assert not problems, "broken links:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("page", LINKED_PAGES, ids=_rel)
+def test_code_span_paths_exist(page):
+    problems = missing_code_paths(page)
+    assert not problems, "paths that do not exist (fix them, or add a pattern / NOT_REPO_PATHS entry):\n" + \
+        "\n".join(problems)
 
 
 def test_index_links_every_page():
