@@ -133,7 +133,7 @@ def _load_metrics(run_dir: Path) -> list[dict]:
 
 IDLE_LOAD_PER_CPU = 1.25
 """A run counts as idle when its load average never exceeded this many per CPU (2.5 on the 2-core
-machine of issue 22): only such a run may write the README's table."""
+machine of issue 22): only such a run may write the docs' table (docs/benchmarks.md)."""
 
 
 def _busy_jiffies() -> Optional[int]:
@@ -297,7 +297,7 @@ def split_before_and_after(mrl: dict, before: Path = BEFORE) -> dict:
 
 
 def table_allowed(result: dict, idle: bool, why: str) -> tuple[bool, str]:
-    """Whether a run may write the README's table: an idle machine (`idle_verdict`), evaluations
+    """Whether a run may write the docs' table (docs/benchmarks.md): an idle machine (`idle_verdict`), evaluations
     run (the table carries avg@n and pass@n) and >= 3 RL steps on both sides (fewer: the first
     step's warm-up dominates the rate). Returns (allowed, reason when not)."""
     if not idle:
@@ -311,7 +311,7 @@ def table_allowed(result: dict, idle: bool, why: str) -> tuple[bool, str]:
 
 
 def readme_table(result: dict) -> str:
-    """The README's comparison table (markdown) from a result dict."""
+    """The comparison table of docs/benchmarks.md (markdown) from a result dict."""
     m, t, r = result["megatron_rl"], result["trl"], result["ratio_megatron_rl_over_trl"]
     rows = [("RL steps / min", f"{m['rl_steps_per_min']:.1f}", f"{t['rl_steps_per_min']:.1f}", f"{r['rl_steps_per_min']:.2f}x"),
             ("generated tokens / s", f"{m['generated_tokens_per_s']:.0f}", f"{t['generated_tokens_per_s']:.0f}",
@@ -499,7 +499,7 @@ def main() -> None:
                     help="reuse the finished runs and evaluations already in --work-dir (re-evaluate, re-tabulate)")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "trl_compare.json")
     ap.add_argument("--table", type=Path, default=REPO / "benchmarks" / "results" / "trl_compare_table.md",
-                    help="the README's markdown table, written only when the load average stayed <= "
+                    help="the markdown table for docs/benchmarks.md, written only when the load average stayed <= "
                          f"{IDLE_LOAD_PER_CPU} per CPU during both runs, or other processes used <= "
                          f"{FOREIGN_IDLE_CPUS} CPUs on average (idle_verdict)")
     args = ap.parse_args()
@@ -573,16 +573,16 @@ def main() -> None:
     idle, why = idle_verdict({"megatron-rl": mrl, "trl": trl}, os.cpu_count() or 1)
     result["idle"], result["load_verdict"] = idle, why
     if not idle:
-        result["warnings"].append(f"not an idle machine ({why}): the README table was not written; the JSON "
+        result["warnings"].append(f"not an idle machine ({why}): the docs table was not written; the JSON "
                                   "still records this run")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     table_ok, table_why = table_allowed(result, idle, why)
     if table_ok and args.table is not None:
         args.table.write_text(readme_table(result))
-        log(f"README table ({why}): {args.table}")
+        log(f"docs table ({why}): {args.table}")
     elif args.table is not None:
-        log(f"README table not written: {table_why}")
+        log(f"docs table not written: {table_why}")
 
     n = args.eval_n
     print()
