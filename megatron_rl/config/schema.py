@@ -586,7 +586,8 @@ class TrainerConfig(ExpertOptions):
     """Context-parallel ranks (megatron-core's name); only 1 is implemented. Default 1.
     verl: `actor_rollout_ref.actor.megatron.context_parallel_size`."""
     sequence_parallel: bool = False
-    """Megatron sequence parallelism (needs TP > 1 and Transformer Engine). Default false.
+    """Megatron sequence parallelism (needs TP > 1; Transformer Engine's norms, or torch norms marked
+    sequence-parallel on the local spec). Default false.
     verl: `actor_rollout_ref.actor.megatron.sequence_parallel`."""
     use_distributed_optimizer: bool = False
     """Shard the optimizer state over data-parallel ranks (megatron-core's distributed optimizer).
@@ -657,9 +658,6 @@ class TrainerConfig(ExpertOptions):
         if self.fp8 is not None and self.transformer_impl == "local":
             raise ConfigError("trainer.fp8 needs trainer.transformer_impl: transformer_engine (or auto): "
                              "megatron-core's local layers have no FP8 GEMMs")
-        if self.sequence_parallel and self.transformer_impl == "local":
-            raise ConfigError("trainer.sequence_parallel needs trainer.transformer_impl: transformer_engine (or "
-                             "auto): megatron-core's local spec has no sequence-parallel norms")
         if self.context_parallel_size > 1 and self.transformer_impl == "local":
             raise ConfigError("trainer.context_parallel_size > 1 needs trainer.transformer_impl: transformer_engine: "
                              "megatron-core runs context parallelism only in Transformer Engine's attention "

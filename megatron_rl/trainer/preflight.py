@@ -244,7 +244,8 @@ CHECKS: tuple[Check, ...] = (
     Check("transformer_impl", "Transformer Engine and CUDA for trainer.transformer_impl=transformer_engine",
           transformer_impl),
     Check("fp8", "Transformer Engine and a Hopper GPU for FP8", fp8),
-    Check("sequence_parallel", "Transformer Engine for sequence parallelism", sequence_parallel),
+    Check("sequence_parallel", "sequence-parallel norms (Transformer Engine's, else torch norms marked SP)",
+          sequence_parallel),
     Check("model_files", "model.path holds a Hugging Face model", model_files),
     Check("rollout_servers", "rollout servers reachable (rollout.server_urls)", rollout_servers),
     Check("engine_environment", "the engines' Python (rollout.sglang_python / vllm_python) with the engine "

@@ -261,6 +261,9 @@ def test_sequence_parallel_passes_the_launch_checks_with_or_without_te():
     assert environment_checks(cfg)["sequence_parallel"]() is None
     off = load_config(None, BASE + ["trainer.tensor_model_parallel_size=2"])
     assert environment_checks(off)["sequence_parallel"]().startswith("not applicable")
+    local = load_config(None, BASE + ["trainer.tensor_model_parallel_size=2", "trainer.sequence_parallel=true",
+                                      "trainer.transformer_impl=local"])  # was refused before models/sp_norm.py
+    assert environment_checks(local)["sequence_parallel"]() is None
 
 
 @pytest.mark.parametrize("over, words", [
