@@ -110,3 +110,25 @@ def test_an_init_that_cannot_hold_the_dp_ranks_is_refused_at_once(model_dir, tmp
         assert r.status_code == 400 and time.monotonic() - t0 < 10, r.text
         message = r.json()["error"]["message"]
         assert "2 transfer ranks" in message and "at least 3 ranks, got world_size 2" in message, message
+
+
+def test_a_label_refused_part_way_rolls_back_the_labels_already_set(model_dir, tmp_path):
+    """`label_engines` over [a live engine, an engine that is gone]: the live one is labelled "1",
+    the second cannot be reached, and the live one gets "0" back (it reports the version of the
+    last whole sync); the error names the unreachable engine and the roll-back."""
+    from megatron_rl.weight_sync.receiver import label_engines
+
+    args = ["--dtype", "float32", "--weight-version", "0", "--api-dialect", "sglang"]
+    with launch_rollout_server(model_dir, log_path=tmp_path / "server.log", extra_args=args,
+                               startup_timeout_s=120) as proc:
+        live = RolloutClient(proc.base_url, timeout_s=30)
+        gone = RolloutClient(f"http://127.0.0.1:{find_free_port()}", timeout_s=5, max_retries=0)
+        try:
+            with pytest.raises(WeightSyncError) as e:
+                label_engines([live, gone], "1")
+            assert httpx.get(proc.base_url + "/model_info", timeout=10).json()["weight_version"] == "0"
+        finally:
+            live.close()
+            gone.close()
+    msg = str(e.value)
+    assert gone.base_url in msg and "'1'" in msg and "1 engine(s) labelled before it got their old label back" in msg
