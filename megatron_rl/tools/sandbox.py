@@ -1,0 +1,424 @@
+"""Run untrusted model-written Python in a fresh, limited process per call, from a warm pool.
+
+`Sandbox` is the interface the tools use (`run(code) -> SandboxResult`, `run_many`); a cluster can
+put a stronger one (a container or microVM service) behind it. `ProcessSandbox` is the local one:
+each call gets a new worker process (`sandbox_worker.py`, started ahead of time so the interpreter's
+start-up is off the call's path), its own throw-away working directory (deleted after the call), a
+scrubbed environment, and the layers listed in `sandbox_worker`'s docstring; the trainer enforces
+the wall-clock limit (SIGKILL to the worker's process group; the worker's PID namespace dies with
+it) and truncates stdout / stderr.
+
+What it is not: a VM. All layers share the host kernel, so a kernel bug is an escape; reading files
+the sandbox uid may read (the standard library, world-readable files) is allowed; a program can
+use its CPU and memory limits in full. Which layers were active is in `ProcessSandbox.layers` and
+in each result's `layers`; `SandboxConfig.require_network_isolation` refuses to start without one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+_WORKER = Path(__file__).with_name("sandbox_worker.py")
+_READABLE = ("/usr", "/lib", "/lib64", "/bin", "/dev/urandom", "/dev/zero", "/proc/self", "/proc/thread-self",
+             "/sys/devices/system/cpu", "/etc/ld.so.cache", "/etc/localtime", "/etc/os-release")
+_READY = b"__mrl_sandbox_ready__"  # sandbox_worker.READY (the worker is never imported here)
+
+
+class SandboxError(RuntimeError):
+    """The sandbox itself cannot work (no isolation available, a worker that does not start)."""
+
+
+@dataclass(kw_only=True)
+class SandboxConfig:
+    """Limits and layers of `ProcessSandbox`; keys of the `python` tool's `config` in a tool config."""
+
+    wall_timeout_s: float = 10.0
+    """Wall-clock limit of one call in seconds, start-up excluded (> 0); then the process group is killed."""
+    cpu_time_s: int = 5
+    """CPU-time limit in seconds (RLIMIT_CPU, >= 1); the kernel kills the program at this plus 1 s."""
+    memory_mib: int = 1024
+    """Address-space limit in MiB (RLIMIT_AS, >= 64); a larger allocation raises MemoryError."""
+    max_processes: int = 16
+    """Processes and threads the program may have at once (RLIMIT_NPROC, >= 1; per sandbox uid)."""
+    max_open_files: int = 64
+    """Open file descriptors (RLIMIT_NOFILE, >= 16)."""
+    max_file_size_mib: int = 16
+    """Largest file the program may write, MiB (RLIMIT_FSIZE, >= 0)."""
+    max_output_bytes: int = 4096
+    """stdout and stderr are each cut to this many bytes (>= 64); the rest is dropped and marked."""
+    max_code_bytes: int = 1 << 20
+    """A longer program is refused without running (bytes, >= 1)."""
+    pool_size: int = 4
+    """Workers kept started and waiting (>= 0; 0 starts every call cold)."""
+    max_concurrency: int = 16
+    """Calls run at once by `run_many` (threads waiting on worker processes, >= 1)."""
+    network_namespace: bool = True
+    """Run in a new network namespace (no interfaces up: no network at all)."""
+    pid_namespace: bool = True
+    """Run as init of a new PID namespace (killing it kills every process the program started)."""
+    landlock: bool = True
+    """Landlock: writes only below the working directory, TCP refused (Linux >= 5.13)."""
+    readable_paths: list[str] = field(default_factory=lambda: list(_READABLE))
+    """With Landlock: the only paths the program may read, besides its working directory and the
+    interpreter's own folders (`sys.prefix`, `sys.path`); a missing path is skipped."""
+    audit_hook: bool = True
+    """A `sys.addaudithook` guard in the program's interpreter (bypassable; the last layer)."""
+    drop_to_uid: int = 65534
+    """When the trainer runs as root, the uid and gid the program runs as (0 keeps root: unsafe)."""
+    require_network_isolation: bool = True
+    """Refuse to start unless a kernel layer (network namespace or Landlock TCP) blocks the network."""
+    python_executable: str = ""
+    """Interpreter for the program ("" = the trainer's `sys.executable`)."""
+    site_packages: bool = True
+    """Let the program import installed packages (numpy, sympy, ...); False runs `python -I -S`."""
+    preload_modules: list[str] = field(default_factory=list)
+    """Modules each worker imports before the call (off the call's path), e.g. ["numpy", "sympy"]."""
+    work_root: str = ""
+    """Folder under which each call's working directory is made ("" = the system temp folder)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables for the program; nothing else of the trainer's environment passes."""
+
+    def __post_init__(self) -> None:
+        checks = [("wall_timeout_s", self.wall_timeout_s > 0), ("cpu_time_s", self.cpu_time_s >= 1),
+                  ("memory_mib", self.memory_mib >= 64), ("max_processes", self.max_processes >= 1),
+                  ("max_open_files", self.max_open_files >= 16), ("max_file_size_mib", self.max_file_size_mib >= 0),
+                  ("max_output_bytes", self.max_output_bytes >= 64), ("max_code_bytes", self.max_code_bytes >= 1),
+                  ("pool_size", self.pool_size >= 0), ("max_concurrency", self.max_concurrency >= 1)]
+        for name, ok in checks:
+            if not ok:
+                raise ValueError(f"sandbox {name}={getattr(self, name)!r} is out of range (see SandboxConfig.{name})")
+        if not isinstance(self.preload_modules, list) or not all(isinstance(m, str) for m in self.preload_modules):
+            raise TypeError(f"sandbox preload_modules must be a list of module names, got {self.preload_modules!r}")
+
+
+@dataclass(kw_only=True)
+class SandboxResult:
+    """One program's run."""
+
+    stdout: str
+    """Its standard output, cut to `max_output_bytes` (decoded as UTF-8, bad bytes replaced)."""
+    stderr: str
+    """Its standard error, cut the same way."""
+    exit_code: int | None
+    """0 on success; 128 + N when killed by signal N; None when it never ran."""
+    error: str = ""
+    """Why it failed in words ("" on success): time-out, CPU limit, exit status, refusal."""
+    timed_out: bool = False
+    """Killed at the wall-clock limit."""
+    truncated: bool = False
+    """Some of stdout or stderr was dropped."""
+    wall_s: float = 0.0
+    """Seconds from sending the program to the worker's exit."""
+    cpu_s: float = 0.0
+    """CPU seconds the worker and its children used."""
+    layers: dict[str, Any] = field(default_factory=dict)
+    """The isolation layers the worker reported active (and why a missing one is missing)."""
+
+    @property
+    def ok(self) -> bool:
+        """The program ran and exited 0."""
+        return self.exit_code == 0 and not self.error
+
+
+class Sandbox(ABC):
+    """Where tools run untrusted code. Implementations must never raise for what the code does."""
+
+    @abstractmethod
+    def run(self, code: str) -> SandboxResult:
+        """Run one Python program; its failures come back in the result."""
+
+    def run_many(self, codes: Sequence[str]) -> list[SandboxResult]:
+        """Run several programs (of different samples) concurrently; results in input order.
+        This default runs them one after the other."""
+        return [self.run(c) for c in codes]
+
+    def close(self) -> None:
+        """Stop workers and delete their folders. Calling it twice is harmless."""
+
+
+class _Worker:
+    """One started worker process and its working directory."""
+
+    def __init__(self, cfg: SandboxConfig) -> None:
+        self.workdir = tempfile.mkdtemp(prefix="mrl-tool-", dir=cfg.work_root or None)
+        spec = {"workdir": self.workdir, "cpu_time_s": cfg.cpu_time_s, "memory_mib": cfg.memory_mib,
+                "max_processes": cfg.max_processes, "max_open_files": cfg.max_open_files,
+                "max_file_size_mib": cfg.max_file_size_mib, "network_namespace": cfg.network_namespace,
+                "pid_namespace": cfg.pid_namespace, "landlock": cfg.landlock, "audit_hook": cfg.audit_hook,
+                "drop_to_uid": cfg.drop_to_uid, "readable_paths": list(cfg.readable_paths),
+                "preload_modules": list(cfg.preload_modules)}
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": self.workdir,
+               "TMPDIR": self.workdir, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8",
+               "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **cfg.env}
+        argv = [cfg.python_executable or sys.executable, "-I", *([] if cfg.site_packages else ["-S"]),
+                str(_WORKER), json.dumps(spec)]
+        try:
+            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         cwd=self.workdir, env=env, start_new_session=True, close_fds=True)
+        except OSError:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+            raise
+        self.layers: dict[str, Any] | None = None
+        self.pending_stdout = b""
+
+    def wait_ready(self, timeout_s: float) -> str:
+        """Read the ready line (once); returns "" or why the worker did not get ready."""
+        if self.layers is not None:
+            return ""
+        fd = self.proc.stdout.fileno()
+        buf = b""
+        deadline = time.monotonic() + timeout_s
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ)
+            while b"\n" not in buf:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sel.select(left):
+                    return f"the sandbox worker did not start within {timeout_s:.0f} s"
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    err = self.proc.stderr.read(4000).decode("utf-8", "replace") if self.proc.poll() is not None else ""
+                    return f"the sandbox worker exited while starting: {err.strip()[-2000:]}"
+                buf += chunk
+        line, self.pending_stdout = buf.split(b"\n", 1)
+        if not line.startswith(_READY):
+            return f"the sandbox worker wrote {line[:200]!r} instead of its ready line"
+        self.layers = json.loads(line[len(_READY):])
+        return ""
+
+    def kill(self) -> None:
+        """SIGKILL the worker and its process group (its PID namespace dies with its init).
+        Uses os.kill, never Popen.kill, which would reap the process before `wait4` can."""
+        if self.proc.returncode is not None:
+            return
+        for kill, target in ((os.killpg, self.proc.pid), (os.kill, self.proc.pid)):
+            try:
+                kill(target, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def cleanup(self) -> None:
+        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            try:
+                f.close()
+            except OSError:
+                pass
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        if os.path.exists(self.workdir):
+            logger.warning("could not remove the sandbox folder %s", self.workdir)
+
+
+class ProcessSandbox(Sandbox):
+    """The local sandbox: a fresh limited process per call, taken from a pool of started workers.
+
+    Thread-safe: `run` may be called from several threads; `run_many` uses up to
+    `max_concurrency` of its own. Raises `SandboxError` at construction when the first worker
+    does not start or `require_network_isolation` is set and no kernel layer blocks the network.
+    """
+
+    _START_TIMEOUT_S = 60.0
+
+    def __init__(self, config: SandboxConfig | None = None) -> None:
+        self.config = config or SandboxConfig()
+        self._lock = threading.Lock()
+        self._idle: list[_Worker] = []
+        self._closed = False
+        self._refilling = False
+        self._executor = ThreadPoolExecutor(self.config.max_concurrency, thread_name_prefix="sandbox")
+        probe = _Worker(self.config)
+        why = probe.wait_ready(self._START_TIMEOUT_S)
+        if why:
+            probe.kill()
+            probe.proc.wait()
+            probe.cleanup()
+            raise SandboxError(why)
+        self.layers: dict[str, Any] = dict(probe.layers or {})
+        if self.config.require_network_isolation and not self.network_isolated(self.layers):
+            probe.kill()
+            probe.proc.wait()
+            probe.cleanup()
+            raise SandboxError(
+                "no kernel layer blocks the network here (network namespace: "
+                f"{self.layers.get('namespaces_error', 'off')}; Landlock: {self.layers.get('landlock_error', 'off')}); "
+                "set require_network_isolation: false to run with the audit hook alone")
+        logger.info("python sandbox layers: %s", self.layers)
+        self._idle.append(probe)
+        self._refill()
+
+    @staticmethod
+    def network_isolated(layers: dict[str, Any]) -> bool:
+        """Whether the reported layers include a kernel-enforced network block."""
+        return bool(layers.get("network_namespace")) or int(layers.get("landlock_abi", 0)) >= 4
+
+    def _refill_in_background(self) -> None:
+        """Start the missing workers on a thread of their own, off the caller's path."""
+        with self._lock:
+            if self._closed or self._refilling or len(self._idle) >= self.config.pool_size:
+                return
+            self._refilling = True
+        threading.Thread(target=self._refill, name="sandbox-refill", daemon=True).start()
+
+    def _refill(self) -> None:
+        try:
+            self._refill_loop()
+        finally:
+            with self._lock:
+                self._refilling = False
+
+    def _refill_loop(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed or len(self._idle) >= self.config.pool_size:
+                    return
+            w = _Worker(self.config)
+            with self._lock:
+                if self._closed:
+                    w.kill()
+                    w.cleanup()
+                    return
+                self._idle.append(w)
+
+    def _take(self) -> tuple[_Worker, bool]:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop(0), True
+        return _Worker(self.config), False
+
+    def run(self, code: str) -> SandboxResult:
+        """Run `code` in a fresh worker; see `SandboxResult` (never raises for the program's behaviour)."""
+        if self._closed:
+            raise SandboxError("the sandbox is closed")
+        data = code.encode("utf-8", errors="replace")
+        if len(data) > self.config.max_code_bytes:
+            return SandboxResult(stdout="", stderr="", exit_code=None,
+                                 error=f"the program is {len(data)} bytes, over the limit of {self.config.max_code_bytes}")
+        try:
+            worker, warm = self._take()
+        except OSError as e:
+            return SandboxResult(stdout="", stderr="", exit_code=None, error=f"the sandbox could not start: {e}")
+        try:
+            result = self._run_in(worker, data)
+            result.layers = dict(worker.layers or {}, warm=warm)
+            return result
+        finally:
+            worker.kill()
+            try:
+                worker.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                logger.warning("sandbox worker %d did not exit after SIGKILL", worker.proc.pid)
+            worker.cleanup()
+            self._refill_in_background()
+
+    def _run_in(self, worker: _Worker, data: bytes) -> SandboxResult:
+        cfg = self.config
+        why = worker.wait_ready(self._START_TIMEOUT_S)
+        if why:
+            return SandboxResult(stdout="", stderr="", exit_code=None, error=why)
+        t0 = time.monotonic()
+        deadline = t0 + cfg.wall_timeout_s
+        try:
+            worker.proc.stdin.write(data)
+            worker.proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        cap, flood = cfg.max_output_bytes, max(1 << 20, 16 * cfg.max_output_bytes)
+        outs = {worker.proc.stdout.fileno(): bytearray(worker.pending_stdout[:cap]),
+                worker.proc.stderr.fileno(): bytearray()}
+        total = len(worker.pending_stdout)
+        timed_out = flooded = False
+        exited_at = None
+        pidfd = os.pidfd_open(worker.proc.pid)
+        with selectors.DefaultSelector() as sel:
+            for fd in outs:
+                sel.register(fd, selectors.EVENT_READ)
+            sel.register(pidfd, selectors.EVENT_READ)
+            open_fds = set(outs)
+            while True:
+                now = time.monotonic()
+                if exited_at is not None and (not open_fds or now - exited_at > 0.5):
+                    break  # after the exit, descendants outside a PID namespace may hold the pipes
+                if now >= deadline:
+                    timed_out = True
+                    break
+                for key, _ in sel.select(min(deadline - now, 0.5)):
+                    if key.fd == pidfd:
+                        sel.unregister(pidfd)
+                        exited_at = time.monotonic()
+                        continue
+                    chunk = os.read(key.fd, 65536)
+                    if not chunk:
+                        sel.unregister(key.fd)
+                        open_fds.discard(key.fd)
+                        continue
+                    total += len(chunk)
+                    buf = outs[key.fd]
+                    if len(buf) < cap:
+                        buf += chunk[: cap - len(buf)]
+                if total > flood:
+                    flooded = True
+                    break
+        os.close(pidfd)
+        worker.kill()
+        _, status, usage = os.wait4(worker.proc.pid, 0)
+        worker.proc.returncode = code = os.waitstatus_to_exitcode(status)
+        exit_code = 128 - code if code < 0 else code
+        cpu_s = usage.ru_utime + usage.ru_stime
+        stdout, stderr = (bytes(b).decode("utf-8", "replace") for b in outs.values())
+        truncated = total > sum(len(b) for b in outs.values()) or flooded
+        if timed_out:
+            error = f"timed out: the program ran past the wall-clock limit of {cfg.wall_timeout_s:g} s and was killed"
+        elif flooded:
+            error = f"killed: the program wrote more than {flood} bytes of output"
+        elif exit_code != 0 and cpu_s >= cfg.cpu_time_s - 0.05:
+            error = f"killed: the program used its CPU-time limit of {cfg.cpu_time_s} s"
+        elif exit_code > 128:
+            sig = exit_code - 128
+            name = signal.Signals(sig).name if sig in signal.valid_signals() else str(sig)
+            error = f"killed by signal {name}"
+        elif exit_code != 0:
+            error = f"the program exited with status {exit_code}"
+        else:
+            error = ""
+        return SandboxResult(stdout=stdout, stderr=stderr, exit_code=exit_code, error=error, timed_out=timed_out,
+                             truncated=truncated, wall_s=time.monotonic() - t0, cpu_s=cpu_s)
+
+    def run_many(self, codes: Sequence[str]) -> list[SandboxResult]:
+        """Run the programs concurrently (up to `max_concurrency` at once); results in input order."""
+        return list(self._executor.map(self.run, codes))
+
+    def close(self) -> None:
+        """Kill the idle workers, delete their folders, stop the thread pool."""
+        with self._lock:
+            self._closed, idle, self._idle = True, self._idle, []
+        for w in idle:
+            w.kill()
+            w.proc.wait()
+            w.cleanup()
+        self._executor.shutdown(wait=True)
+
+    def __enter__(self) -> ProcessSandbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def describe(self) -> dict[str, Any]:
+        """The config and the active layers, for the run's log."""
+        return {"config": asdict(self.config), "layers": dict(self.layers)}

@@ -1,0 +1,286 @@
+"""The sandbox's worker: started as `python -I sandbox_worker.py SPEC_JSON`, runs one program, exits.
+
+Standard library only, never imported by the trainer. `sandbox.ProcessSandbox` starts it ahead of
+time (the warm pool) in its own session, with a scrubbed environment and a fresh working
+directory as cwd. Before it says "ready" on stdout it puts itself behind every layer it can
+(each reported back in the ready line, so the trainer knows what was really enforced):
+
+1. namespaces (`unshare`): a new network namespace (only a loopback that is down: every connect
+   fails) and a new PID namespace whose init is the process that will run the program, so killing
+   it kills every process the program started, whatever session they moved to. Without root a new
+   user namespace comes first (needs unprivileged user namespaces);
+2. resource limits (`setrlimit`): CPU seconds, address space, processes, open files, file size;
+3. Landlock (Linux >= 5.13, unprivileged): writes, creates, removes only below the working
+   directory; TCP connect and bind refused (ABI >= 4); signals and abstract unix sockets scoped
+   to the sandbox (ABI >= 6);
+4. when started as root: all groups dropped and the uid / gid set to an unprivileged one
+   (`RLIMIT_NPROC` is not enforced for root, and root ignores file permissions);
+5. after the program arrives: a `sys.addaudithook` hook that refuses sockets, subprocesses,
+   `exec`, `ctypes`, writes outside the working directory and `/proc/<other pid>` (a guard in the
+   same interpreter: bypassable by a program that reaches native code; the layers above are the
+   kernel's).
+
+Then it reads the program (UTF-8) from stdin until EOF and `exec`s it as `__main__`: stdout and
+stderr are the pipes the trainer reads. An exception prints its traceback and exits 1.
+"""
+
+import json
+import os
+import resource
+import sys
+
+READY = "__mrl_sandbox_ready__"
+
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
+
+
+def _unshare(spec, layers):
+    flags = 0
+    if spec["network_namespace"]:
+        flags |= os.CLONE_NEWNET
+    if spec["pid_namespace"]:
+        flags |= os.CLONE_NEWPID
+    if not flags:
+        return False
+    if os.geteuid() != 0:
+        flags |= os.CLONE_NEWUSER
+    try:
+        os.unshare(flags)
+    except OSError as e:
+        layers["namespaces_error"] = f"unshare: {e}"
+        return False
+    layers["network_namespace"] = bool(flags & os.CLONE_NEWNET)
+    layers["pid_namespace"] = bool(flags & os.CLONE_NEWPID)
+    return bool(flags & os.CLONE_NEWPID)
+
+
+def _reap_as_parent(child):
+    """Outside the PID namespace: wait for its init and exit with its status (128 + signal)."""
+    os.close(0)
+    while True:
+        try:
+            _, status = os.waitpid(child, 0)
+            break
+        except ChildProcessError:
+            os._exit(1)
+        except InterruptedError:
+            continue
+    if os.WIFSIGNALED(status):
+        os._exit(128 + os.WTERMSIG(status))
+    os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1)
+
+
+def _rlimits(spec, layers, base_tasks):
+    mib = 1024 * 1024
+    cpu = int(spec["cpu_time_s"])
+    # RLIMIT_NPROC counts every task of the real uid: without a uid of its own, the trainer's too
+    nproc = int(spec["max_processes"]) + (0 if "uid" in layers else base_tasks)
+    limits = {
+        resource.RLIMIT_CPU: (cpu, cpu + 1),
+        resource.RLIMIT_AS: (spec["memory_mib"] * mib,) * 2,
+        resource.RLIMIT_NPROC: (nproc, nproc),
+        resource.RLIMIT_NOFILE: (spec["max_open_files"],) * 2,
+        resource.RLIMIT_FSIZE: (spec["max_file_size_mib"] * mib,) * 2,
+        resource.RLIMIT_CORE: (0, 0),
+    }
+    for which, value in limits.items():
+        resource.setrlimit(which, value)
+    layers["rlimits"] = True
+
+
+def _tasks_of_uid(uid):
+    n = 0
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                if os.stat(f"/proc/{pid}").st_uid == uid:
+                    n += len(os.listdir(f"/proc/{pid}/task"))
+            except OSError:
+                pass
+    return n
+
+
+def _landlock(spec, layers):
+    """Kernel-enforced: writes only below the working directory, reads only below it and the
+    readable paths, no TCP, scoped signals. Records the ABI in `layers` (0 when unavailable)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    sys_create, sys_add, sys_restrict = 444, 445, 446  # x86_64 and aarch64 share these numbers
+    abi = libc.syscall(sys_create, None, ctypes.c_size_t(0), ctypes.c_uint32(1))
+    if abi < 1:
+        layers["landlock_error"] = "Landlock is not available in this kernel"
+        return 0
+    read = (1 << 0) | (1 << 2) | (1 << 3)  # execute, read_file, read_dir
+    write = (1 << 1) | (1 << 4) | (1 << 5) | sum(1 << b for b in range(6, 13))  # write, remove, make_*
+    write |= (1 << 13 if abi >= 2 else 0) | (1 << 14 if abi >= 3 else 0)  # refer, truncate
+    file_only = (1 << 0) | (1 << 1) | (1 << 2) | (1 << 14)
+    net = 0b11 if abi >= 4 else 0  # bind_tcp, connect_tcp: handled, no rule allows any port
+    scoped = 0b11 if abi >= 6 else 0  # abstract unix sockets, signals
+
+    class RulesetAttr(ctypes.Structure):
+        _fields_ = [("fs", ctypes.c_uint64), ("net", ctypes.c_uint64), ("scoped", ctypes.c_uint64)]
+
+    class PathBeneath(ctypes.Structure):
+        _pack_ = 1
+        _fields_ = [("allowed", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+    attr = RulesetAttr(read | write, net, scoped)
+    size = 24 if abi >= 6 else (16 if abi >= 4 else 8)
+    rfd = libc.syscall(sys_create, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0))
+    if rfd < 0:
+        layers["landlock_error"] = f"landlock_create_ruleset: {os.strerror(ctypes.get_errno())}"
+        return 0
+    rules = {spec["workdir"]: read | write, "/dev/null": (read | write) & file_only}
+    python_dirs = [sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path, os.path.dirname(sys.executable)]
+    for path in [*spec["readable_paths"], *python_dirs]:
+        rules.setdefault(os.path.realpath(path), read)
+    ok = True
+    for path, allowed in rules.items():
+        try:
+            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        except OSError:
+            continue  # a readable path that does not exist here
+        if not os.path.isdir(path):
+            allowed &= file_only
+        rule = PathBeneath(allowed, fd)
+        ok = ok and libc.syscall(sys_add, rfd, 1, ctypes.byref(rule), ctypes.c_uint32(0)) == 0
+        os.close(fd)
+    ok = ok and libc.prctl(38, 1, 0, 0, 0) == 0  # PR_SET_NO_NEW_PRIVS, required without CAP_SYS_ADMIN
+    ok = ok and libc.syscall(sys_restrict, rfd, ctypes.c_uint32(0)) == 0
+    err = ctypes.get_errno()
+    os.close(rfd)
+    if not ok:
+        layers["landlock_error"] = f"landlock: {os.strerror(err)}"
+        return 0
+    layers["landlock_abi"] = abi
+    return abi
+
+
+def _drop_privileges(spec, layers):
+    """As root: become `drop_to_uid`. The interpreter may live where only root reads (a pyenv under
+    /root): when Landlock bounds reads, keep CAP_DAC_READ_SEARCH (read any file Landlock allows)."""
+    uid = spec["drop_to_uid"]
+    if os.geteuid() != 0 or not uid:
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    keep_read = bool(layers.get("landlock_abi"))
+    os.chown(spec["workdir"], uid, uid)
+    if keep_read:
+        libc.prctl(8, 1, 0, 0, 0)  # PR_SET_KEEPCAPS: the permitted set survives setuid
+    os.setgroups([])
+    os.setgid(uid)
+    os.setuid(uid)
+    layers["uid"] = uid
+    if keep_read:
+
+        class Header(ctypes.Structure):
+            _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+        class Data(ctypes.Structure):
+            _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                        ("inheritable", ctypes.c_uint32)]
+
+        cap = 1 << 2  # CAP_DAC_READ_SEARCH
+        data = (Data * 2)(Data(cap, cap, 0), Data(0, 0, 0))
+        if libc.capset(ctypes.byref(Header(0x20080522, 0)), data) != 0:
+            raise OSError(ctypes.get_errno(), "capset CAP_DAC_READ_SEARCH")
+        layers["capabilities"] = "CAP_DAC_READ_SEARCH"
+
+
+def _audit_hook(workdir):
+    """Refuse, inside this interpreter, what the program has no business doing (bypassable)."""
+    real = os.path.realpath
+    root = real(workdir)
+    own_proc = (f"/proc/{os.getpid()}", "/proc/self", "/proc/thread-self")
+    blocked = {"os.system", "os.exec", "os.posix_spawn", "os.spawn", "subprocess.Popen", "os.fork",
+               "os.forkpty", "pty.spawn", "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata", "ctypes.call_function",
+               "socket.__new__", "socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg",
+               "socket.getaddrinfo", "socket.gethostbyname", "os.kill", "os.killpg"}
+    path_events = {"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.chmod", "os.chown", "os.symlink",
+                   "os.link", "os.truncate", "os.utime", "shutil.rmtree", "os.chroot"}
+
+    def inside(path):
+        if isinstance(path, int):
+            return True
+        p = real(os.fsdecode(path))
+        return p == root or p.startswith(root + os.sep)
+
+    def hook(event, args):
+        if event in blocked:
+            raise PermissionError(f"sandbox: {event} is not allowed")
+        if event == "open":
+            path, mode, flags = args
+            if path is None or isinstance(path, int):
+                return
+            p = real(os.fsdecode(path))
+            writing = (flags & _WRITE_FLAGS) if flags else any(c in (mode or "") for c in "wax+")
+            if writing and not inside(path):
+                raise PermissionError(f"sandbox: writing outside the working directory is not allowed: {p}")
+            if p.startswith("/proc/") and not p.startswith(own_proc) and p.split("/")[2].isdigit():
+                raise PermissionError(f"sandbox: reading other processes' /proc entries is not allowed: {p}")
+        elif event in path_events:
+            if event in ("os.rename", "os.link"):
+                paths = args[:2]
+            elif event == "os.symlink":
+                paths = args[1:2]  # the link's target may point anywhere; the link itself is what is written
+            else:
+                paths = args[:1]
+            for a in paths:
+                if isinstance(a, (str, bytes, os.PathLike)) and not inside(a):
+                    raise PermissionError(f"sandbox: {event} outside the working directory is not allowed")
+
+    sys.addaudithook(hook)
+
+
+def main():
+    spec = json.loads(sys.argv[1])
+    layers = {}
+    base_tasks = _tasks_of_uid(os.getuid()) if os.geteuid() != 0 else 0
+    in_new_pid_ns = _unshare(spec, layers)
+    if in_new_pid_ns:
+        child = os.fork()  # the child is init of the new PID namespace and runs the program
+        if child:
+            _reap_as_parent(child)
+    os.chdir(spec["workdir"])
+    if spec["landlock"]:
+        _landlock(spec, layers)
+    _drop_privileges(spec, layers)
+    if in_new_pid_ns:
+        # after the uid change, which clears it: if the reaper outside dies, so does this init (and its
+        # namespace), even when the program left the process group the trainer kills
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL
+    _rlimits(spec, layers, base_tasks)
+    for m in spec["preload_modules"]:
+        __import__(m)
+    global traceback
+    import traceback
+
+    out = sys.stdout
+    out.write(READY + json.dumps(layers) + "\n")
+    out.flush()
+    code = sys.stdin.buffer.read().decode("utf-8", errors="replace")
+    sys.stdin.close()
+    if spec["audit_hook"]:
+        _audit_hook(spec["workdir"])
+    sys.argv = ["<tool>"]
+    namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+    try:
+        exec(compile(code, "<tool>", "exec"), namespace)
+    except SystemExit:
+        raise
+    except BaseException as e:
+        sys.stdout.flush()
+        tb = e.__traceback__.tb_next or e.__traceback__  # without this file's frame
+        traceback.print_exception(type(e), e, tb)
+        sys.exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+if __name__ == "__main__":
+    main()
