@@ -31,6 +31,7 @@ class PythonTool(Tool):
     """
 
     name = "python"
+    config_class = SandboxConfig
     description = ("Run a Python 3 program and return what it prints. Each call starts fresh (no state is "
                    "kept between calls), without network access, with limited time and memory.")
     parameters = {"type": "object",

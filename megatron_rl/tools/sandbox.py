@@ -419,6 +419,11 @@ class ProcessSandbox(Sandbox):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def idle_pids(self) -> list[int]:
+        """Process ids of the started workers waiting in the pool."""
+        with self._lock:
+            return [w.proc.pid for w in self._idle]
+
     def describe(self) -> dict[str, Any]:
         """The config and the active layers, for the run's log."""
         return {"config": asdict(self.config), "layers": dict(self.layers)}

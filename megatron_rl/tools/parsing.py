@@ -1,0 +1,101 @@
+"""Find a model's tool calls in its text and run them; every problem becomes a tool error, never an exception.
+
+Two formats:
+- Hermes / Qwen2.5 (`"hermes"`): `<tool_call>{"name": "python", "arguments": {"code": "..."}}</tool_call>`,
+  what Qwen2.5's chat template asks for; the answer goes back as `<tool_response>...</tool_response>`.
+- ToRL code blocks (`"code"`, arXiv 2503.23383): a fenced block opened by three backticks and `python`
+  becomes a call of the `python` tool with the block as `code`; the answer goes back as an `output` block.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from megatron_rl.tools.base import Tool, ToolCall, ToolResult
+
+logger = logging.getLogger(__name__)
+
+FORMATS = ("hermes", "code")
+_HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_CODE = re.compile(r"```python[^\S\n]*\n(.*?)```", re.DOTALL)
+
+
+def _parse_hermes_body(body: str) -> ToolCall | ToolResult:
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError as e:
+        return ToolResult(ok=False, error=f"malformed tool call: invalid JSON inside <tool_call> ({e.msg} at "
+                                          f"character {e.pos}); expected {{\"name\": ..., \"arguments\": {{...}}}}")
+    if not isinstance(obj, dict):
+        return ToolResult(ok=False, error=f"malformed tool call: expected a JSON object, got {type(obj).__name__}")
+    name = obj.get("name")
+    if not isinstance(name, str) or not name:
+        return ToolResult(ok=False, error="malformed tool call: no \"name\" (a string) in the JSON object")
+    if "arguments" not in obj:
+        return ToolResult(ok=False, error=f"malformed tool call to {name!r}: no \"arguments\" in the JSON object")
+    args = obj["arguments"]
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError as e:
+            return ToolResult(ok=False, error=f"malformed tool call to {name!r}: \"arguments\" is a string that "
+                                              f"is not valid JSON ({e.msg})")
+    if not isinstance(args, dict):
+        return ToolResult(ok=False, error=f"malformed tool call to {name!r}: \"arguments\" must be a JSON object, "
+                                          f"got {type(args).__name__}")
+    return ToolCall(name=name, arguments=args)
+
+
+def parse_tool_calls(text: str, *, fmt: str = "hermes", code_tool: str = "python") -> list[ToolCall | ToolResult]:
+    """The tool calls in `text`, in order: a `ToolCall` for each well-formed one, a `ToolResult(ok=False)`
+    with the reason for each malformed one (so the model is told). `fmt` is one of `FORMATS`;
+    `code_tool` names the tool that `"code"` blocks call. Raises `ValueError` for an unknown `fmt`."""
+    if fmt == "code":
+        return [ToolCall(name=code_tool, arguments={"code": m.group(1)}) for m in _CODE.finditer(text)]
+    if fmt != "hermes":
+        raise ValueError(f"unknown tool call format {fmt!r}; valid: {', '.join(FORMATS)}")
+    out: list[ToolCall | ToolResult] = [_parse_hermes_body(m.group(1).strip()) for m in _HERMES.finditer(text)]
+    tail = _HERMES.sub("", text)
+    if "<tool_call>" in tail:
+        out.append(ToolResult(ok=False, error="malformed tool call: <tool_call> without a closing </tool_call>"))
+    return out
+
+
+def run_tool_call(call: ToolCall | ToolResult, tools: Mapping[str, Tool]) -> ToolResult:
+    """Run one parsed call. A parse error passes through; an unknown tool, bad arguments, or a tool
+    that raises all come back as `ToolResult(ok=False)` with the reason."""
+    if isinstance(call, ToolResult):
+        return call
+    tool = tools.get(call.name)
+    if tool is None:
+        return ToolResult(ok=False, error=f"unknown tool {call.name!r}; available tools: {', '.join(sorted(tools)) or 'none'}")
+    why = tool.check_arguments(call.arguments)
+    if why:
+        return ToolResult(ok=False, error=why)
+    try:
+        return tool.call(call.arguments)
+    except Exception as e:  # a tool's bug must reach the model as an error, not stop the trainer
+        logger.exception("tool %r raised", call.name)
+        return ToolResult(ok=False, error=f"tool {call.name!r} failed: {type(e).__name__}: {e}")
+
+
+def run_tool_calls(calls: Sequence[ToolCall | ToolResult], tools: Mapping[str, Tool], *,
+                   max_workers: int = 16) -> list[ToolResult]:
+    """Run calls (of one or many samples) concurrently on up to `max_workers` threads; results in order."""
+    if len(calls) <= 1:
+        return [run_tool_call(c, tools) for c in calls]
+    with ThreadPoolExecutor(min(max_workers, len(calls)), thread_name_prefix="tool-call") as pool:
+        return list(pool.map(lambda c: run_tool_call(c, tools), calls))
+
+
+def format_tool_response(result: ToolResult, *, fmt: str = "hermes") -> str:
+    """The text that answers a call: `<tool_response>...</tool_response>` (hermes) or an `output` block (code)."""
+    if fmt == "code":
+        return f"```output\n{result.to_message()}\n```"
+    if fmt != "hermes":
+        raise ValueError(f"unknown tool call format {fmt!r}; valid: {', '.join(FORMATS)}")
+    return f"<tool_response>\n{result.to_message()}\n</tool_response>"
