@@ -194,8 +194,12 @@ class _Worker:
                     return f"the sandbox worker did not start within {timeout_s:.0f} s"
                 chunk = os.read(fd, 65536)
                 if not chunk:
-                    err = self.proc.stderr.read(4000).decode("utf-8", "replace") if self.proc.poll() is not None else ""
-                    return f"the sandbox worker exited while starting: {err.strip()[-2000:]}"
+                    try:
+                        self.proc.wait(timeout=5)
+                        err = self.proc.stderr.read(4000).decode("utf-8", "replace").strip()[-2000:]
+                    except subprocess.TimeoutExpired:
+                        err = "(closed its stdout without exiting)"
+                    return f"the sandbox worker exited while starting: {err}"
                 buf += chunk
         line, self.pending_stdout = buf.split(b"\n", 1)
         if not line.startswith(_READY):

@@ -174,6 +174,12 @@ def _drop_privileges(spec, layers):
     os.setgid(uid)
     os.setuid(uid)
     layers["uid"] = uid
+    stdlib = os.path.dirname(os.__file__)
+    if not keep_read and not os.access(stdlib, os.R_OK | os.X_OK):
+        sys.stderr.write(f"uid {uid} cannot read the interpreter's standard library {stdlib}, and without "
+                         "Landlock the sandbox does not keep CAP_DAC_READ_SEARCH: install Python where that uid "
+                         "can read it, or enable Landlock, or set drop_to_uid: 0 (root, unsafe)\n")
+        sys.exit(2)
     if keep_read:
 
         class Header(ctypes.Structure):
