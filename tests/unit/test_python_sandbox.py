@@ -13,6 +13,7 @@ import socket
 import subprocess
 import textwrap
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -265,7 +266,7 @@ def test_trainer_secrets_stay_out(monkeypatch, tmp_path, sandboxed):
     secret.write_text("hunter2")
     secret.chmod(0o600)
     os.chmod(tmp_path, 0o755)
-    t = PythonTool(pool_size=0, audit_hook=sandboxed.sandbox.config.audit_hook, **LIMITS)  # started after setenv
+    t = PythonTool(**{**asdict(sandboxed.sandbox.config), "pool_size": 0})  # the same layers, started after setenv
     try:
         code = f"""
         import os
