@@ -72,7 +72,8 @@ def run_tool_call(call: ToolCall | ToolResult, tools: Mapping[str, Tool]) -> Too
         return call
     tool = tools.get(call.name)
     if tool is None:
-        return ToolResult(ok=False, error=f"unknown tool {call.name!r}; available tools: {', '.join(sorted(tools)) or 'none'}")
+        names = ", ".join(sorted(tools)) or "none"
+        return ToolResult(ok=False, error=f"unknown tool {call.name!r}; available tools: {names}")
     why = tool.check_arguments(call.arguments)
     if why:
         return ToolResult(ok=False, error=why)

@@ -311,8 +311,9 @@ class ProcessSandbox(Sandbox):
             raise SandboxError("the sandbox is closed")
         data = code.encode("utf-8", errors="replace")
         if len(data) > self.config.max_code_bytes:
+            limit = self.config.max_code_bytes
             return SandboxResult(stdout="", stderr="", exit_code=None,
-                                 error=f"the program is {len(data)} bytes, over the limit of {self.config.max_code_bytes}")
+                                 error=f"the program is {len(data)} bytes, over the limit of {limit}")
         try:
             worker, warm = self._take()
         except OSError as e:

@@ -86,7 +86,8 @@ def _tool_class(where: str, entry: dict[str, Any]) -> type:
         if entry["name"] not in TOOLS:
             near = difflib.get_close_matches(str(entry["name"]), TOOLS.names(), n=1)
             hint = f"; did you mean {near[0]!r}?" if near else ""
-            raise ValueError(f"{where}.name: unknown tool {entry['name']!r}{hint} (registered: {', '.join(TOOLS.names())})")
+            raise ValueError(f"{where}.name: unknown tool {entry['name']!r}{hint} "
+                             f"(registered: {', '.join(TOOLS.names())})")
         return TOOLS.get(entry["name"])
     module, _, attr = str(entry["class_name"]).rpartition(".")
     try:
@@ -94,7 +95,8 @@ def _tool_class(where: str, entry: dict[str, Any]) -> type:
     except (ImportError, AttributeError, ValueError) as e:
         raise ValueError(f"{where}.class_name: cannot import {entry['class_name']!r}: {e}") from None
     if not (isinstance(cls, type) and issubclass(cls, Tool)):
-        raise ValueError(f"{where}.class_name: {entry['class_name']!r} is not a subclass of megatron_rl.tools.base.Tool")
+        raise ValueError(f"{where}.class_name: {entry['class_name']!r} is not a subclass of "
+                         "megatron_rl.tools.base.Tool")
     return cls
 
 
@@ -117,7 +119,9 @@ def load_tool_config(tool_config_path: str | Path) -> list[ToolSpec]:
         cls = _tool_class(where, entry)
         config = entry.get("config") or {}
         allowed = config_keys(cls)
-        _check_keys(f"{where}.config", config, allowed if allowed is not None else list(getattr(config, "keys", list)()))
+        if allowed is None:  # a tool taking any **kwargs: its constructor judges the keys
+            allowed = list(config) if isinstance(config, dict) else []
+        _check_keys(f"{where}.config", config, allowed)
         schema = entry.get("tool_schema")
         if schema is not None:
             _check_keys(f"{where}.tool_schema", schema, SCHEMA_KEYS)
