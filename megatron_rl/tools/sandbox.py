@@ -62,6 +62,9 @@ class SandboxConfig:
     """Open file descriptors (RLIMIT_NOFILE, >= 16)."""
     max_file_size_mib: int = 16
     """Largest file the program may write, MiB (RLIMIT_FSIZE, >= 0)."""
+    disk_mib: int = 64
+    """Size of the working directory in MiB: a private tmpfs (memory-backed) in the worker's own mount
+    namespace, invisible outside; 0 = a plain folder under `work_root` (only `max_file_size_mib` per file)."""
     max_output_bytes: int = 4096
     """stdout and stderr are each cut to this many bytes (>= 64); the rest is dropped and marked."""
     max_code_bytes: int = 1 << 20
@@ -99,7 +102,7 @@ class SandboxConfig:
     def __post_init__(self) -> None:
         checks = [("wall_timeout_s", self.wall_timeout_s > 0), ("cpu_time_s", self.cpu_time_s >= 1),
                   ("memory_mib", self.memory_mib >= 64), ("max_processes", self.max_processes >= 1),
-                  ("max_open_files", self.max_open_files >= 16), ("max_file_size_mib", self.max_file_size_mib >= 0),
+                  ("max_open_files", self.max_open_files >= 16), ("max_file_size_mib", self.max_file_size_mib >= 0), ("disk_mib", self.disk_mib >= 0),
                   ("max_output_bytes", self.max_output_bytes >= 64), ("max_code_bytes", self.max_code_bytes >= 1),
                   ("pool_size", self.pool_size >= 0), ("max_concurrency", self.max_concurrency >= 1)]
         for name, ok in checks:
@@ -161,7 +164,7 @@ class _Worker:
         self.workdir = tempfile.mkdtemp(prefix="mrl-tool-", dir=cfg.work_root or None)
         spec = {"workdir": self.workdir, "cpu_time_s": cfg.cpu_time_s, "memory_mib": cfg.memory_mib,
                 "max_processes": cfg.max_processes, "max_open_files": cfg.max_open_files,
-                "max_file_size_mib": cfg.max_file_size_mib, "network_namespace": cfg.network_namespace,
+                "max_file_size_mib": cfg.max_file_size_mib, "disk_mib": cfg.disk_mib, "network_namespace": cfg.network_namespace,
                 "pid_namespace": cfg.pid_namespace, "landlock": cfg.landlock, "audit_hook": cfg.audit_hook,
                 "drop_to_uid": cfg.drop_to_uid, "readable_paths": list(cfg.readable_paths),
                 "preload_modules": list(cfg.preload_modules)}

@@ -7,7 +7,8 @@ directory as cwd. Before it says "ready" on stdout it puts itself behind every l
 
 1. namespaces (`unshare`): a new network namespace (only a loopback that is down: every connect
    fails) and a new PID namespace whose init is the process that will run the program, so killing
-   it kills every process the program started, whatever session they moved to. Without root a new
+   it kills every process the program started, whatever session they moved to; a new mount
+   namespace with a tmpfs of `disk_mib` over the working directory. Without root a new
    user namespace comes first (needs unprivileged user namespaces);
 2. resource limits (`setrlimit`): CPU seconds, address space, processes, open files, file size;
 3. Landlock (Linux >= 5.13, unprivileged): writes, creates, removes only below the working
@@ -40,6 +41,8 @@ def _unshare(spec, layers):
         flags |= os.CLONE_NEWNET
     if spec["pid_namespace"]:
         flags |= os.CLONE_NEWPID
+    if spec["disk_mib"]:
+        flags |= os.CLONE_NEWNS
     if not flags:
         return False
     if os.geteuid() != 0:
@@ -51,7 +54,25 @@ def _unshare(spec, layers):
         return False
     layers["network_namespace"] = bool(flags & os.CLONE_NEWNET)
     layers["pid_namespace"] = bool(flags & os.CLONE_NEWPID)
+    layers["mount_namespace"] = bool(flags & os.CLONE_NEWNS)
     return bool(flags & os.CLONE_NEWPID)
+
+
+def _private_tmpfs(spec, layers):
+    """In the new mount namespace: a tmpfs of `disk_mib` over the working directory, so the program's
+    files are bounded in total, invisible outside, and gone with the namespace."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    ms_rec, ms_private, ms_nosuid, ms_nodev = 1 << 14, 1 << 18, 2, 4
+    if libc.mount(None, b"/", None, ms_rec | ms_private, None) != 0:  # nothing propagates back to the host
+        layers["tmpfs_error"] = f"mount --make-rprivate /: {os.strerror(ctypes.get_errno())}"
+        return
+    opts = f"size={int(spec['disk_mib'])}m,mode=0700".encode()
+    if libc.mount(b"tmpfs", spec["workdir"].encode(), b"tmpfs", ms_nosuid | ms_nodev, opts) != 0:
+        layers["tmpfs_error"] = f"mount tmpfs: {os.strerror(ctypes.get_errno())}"
+        return
+    layers["tmpfs_mib"] = int(spec["disk_mib"])
 
 
 def _reap_as_parent(child):
@@ -200,7 +221,8 @@ def _audit_hook(workdir):
     """Refuse, inside this interpreter, what the program has no business doing (bypassable)."""
     real = os.path.realpath
     root = real(workdir)
-    own_proc = (f"/proc/{os.getpid()}", "/proc/self", "/proc/thread-self")
+    # /proc is the host's (not remounted in the PID namespace): this process is /proc/<host pid>
+    own_proc = (f"/proc/{os.readlink('/proc/self')}/", "/proc/self/", "/proc/thread-self/")
     blocked = {"os.system", "os.exec", "os.posix_spawn", "os.spawn", "subprocess.Popen", "os.fork",
                "os.forkpty", "pty.spawn", "ctypes.dlopen", "ctypes.dlsym", "ctypes.cdata", "ctypes.call_function",
                "socket.__new__", "socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg",
@@ -225,7 +247,7 @@ def _audit_hook(workdir):
             writing = (flags & _WRITE_FLAGS) if flags else any(c in (mode or "") for c in "wax+")
             if writing and not inside(path):
                 raise PermissionError(f"sandbox: writing outside the working directory is not allowed: {p}")
-            if p.startswith("/proc/") and not p.startswith(own_proc) and p.split("/")[2].isdigit():
+            if p.startswith("/proc/") and not (p + "/").startswith(own_proc) and p.split("/")[2].isdigit():
                 raise PermissionError(f"sandbox: reading other processes' /proc entries is not allowed: {p}")
         elif event in path_events:
             if event in ("os.rename", "os.link"):
@@ -250,6 +272,8 @@ def main():
         child = os.fork()  # the child is init of the new PID namespace and runs the program
         if child:
             _reap_as_parent(child)
+    if layers.get("mount_namespace"):
+        _private_tmpfs(spec, layers)
     os.chdir(spec["workdir"])
     if spec["landlock"]:
         _landlock(spec, layers)
@@ -275,18 +299,27 @@ def main():
         _audit_hook(spec["workdir"])
     sys.argv = ["<tool>"]
     namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+    status = 0
     try:
         exec(compile(code, "<tool>", "exec"), namespace)
-    except SystemExit:
-        raise
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            status = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            status = 1
     except BaseException as e:
         sys.stdout.flush()
         tb = e.__traceback__.tb_next or e.__traceback__  # without this file's frame
         traceback.print_exception(type(e), e, tb)
-        sys.exit(1)
-    sys.stdout.flush()
-    sys.stderr.flush()
-
+        status = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    # skip the interpreter's tear-down: the process and its namespaces are thrown away anyway
+    os._exit(status & 0xFF)
 
 if __name__ == "__main__":
     main()

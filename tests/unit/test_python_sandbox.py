@@ -27,7 +27,7 @@ from megatron_rl.tools.tool_config import build_tools, load_tool_config
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "unshare"), reason="Linux only")
 
-LIMITS = dict(cpu_time_s=1, wall_timeout_s=8, memory_mib=512, max_processes=8, max_output_bytes=256)
+LIMITS = dict(cpu_time_s=1, wall_timeout_s=8, memory_mib=512, max_processes=8, max_output_bytes=256, disk_mib=8)
 OPEN = dict(network_namespace=False, pid_namespace=True, landlock=False, audit_hook=False, drop_to_uid=0,
             require_network_isolation=False)
 
@@ -215,6 +215,32 @@ def test_write_control_without_protection_gets_through(tmp_path):
         target = tmp_path / "escaped.txt"
         run(t, WRITE.format(path=str(target)))
         assert target.read_text() == "owned"
+    finally:
+        t.close()
+
+
+FILL_DISK = """
+n = 0
+try:
+    for i in range(20):
+        open(f"f{i}", "wb").write(b"x" * (1 << 20))
+        n += 1
+except OSError as e:
+    print("stopped", e.strerror)
+print(n)
+"""
+
+
+def test_filling_the_disk_stops_at_the_quota(sandboxed):
+    r = run(sandboxed, FILL_DISK)
+    assert r.ok and r.output.startswith("stopped No space left on device\n"), r.output
+    assert int(r.output.split()[-1]) <= 8  # disk_mib=8
+
+
+def test_disk_control_without_the_quota_writes_everything():
+    t = _tool(pool_size=0, disk_mib=0)
+    try:
+        assert run(t, FILL_DISK).output == "20\n"
     finally:
         t.close()
 
