@@ -75,9 +75,21 @@ def _private_tmpfs(spec, layers):
     layers["tmpfs_mib"] = int(spec["disk_mib"])
 
 
-def _reap_as_parent(child):
-    """Outside the PID namespace: wait for its init and exit with its status (128 + signal)."""
+def _reap_as_parent(child, trainer):
+    """Outside the PID namespace: wait for its init and exit with its status (128 + signal). If the
+    trainer dies first (no one is left to enforce the wall-clock limit), kill the init."""
+    import select
+
     os.close(0)
+    try:
+        fds = [os.pidfd_open(child), os.pidfd_open(trainer)]
+        ready = []
+        while not ready:
+            ready = select.select(fds, [], [])[0]
+        if fds[1] in ready:  # the trainer exited (a pidfd becomes readable only then)
+            os.kill(child, 9)
+    except (OSError, InterruptedError):
+        pass
     while True:
         try:
             _, status = os.waitpid(child, 0)
@@ -267,11 +279,12 @@ def main():
     spec = json.loads(sys.argv[1])
     layers = {}
     base_tasks = _tasks_of_uid(os.getuid()) if os.geteuid() != 0 else 0
+    trainer = os.getppid()
     in_new_pid_ns = _unshare(spec, layers)
     if in_new_pid_ns:
         child = os.fork()  # the child is init of the new PID namespace and runs the program
         if child:
-            _reap_as_parent(child)
+            _reap_as_parent(child, trainer)
     if layers.get("mount_namespace"):
         _private_tmpfs(spec, layers)
     os.chdir(spec["workdir"])

@@ -436,3 +436,29 @@ def test_tool_config_mistakes_fail_at_start(tmp_path, text, message):
     f.write_text(text)
     with pytest.raises(ValueError, match=message):
         build_tools(f)
+
+
+TRAINER_DIES = """
+import os, sys, threading, time
+from megatron_rl.tools.sandbox import ProcessSandbox, SandboxConfig
+sb = ProcessSandbox(SandboxConfig(pool_size=0, wall_timeout_s=600))
+code = "import os, time\\nprint(os.readlink('/proc/self/ns/pid'), flush=True)\\ntime.sleep(600)"
+w = sb._take()[0]
+w.wait_ready(60)
+w.proc.stdin.write(code.encode())
+w.proc.stdin.close()
+print(os.read(w.proc.stdout.fileno(), 200).decode().strip(), w.workdir, flush=True)
+os._exit(0)  # the trainer dies mid-call, without closing the sandbox
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="reads other processes' /proc/<pid>/ns, which needs root here")
+def test_a_running_program_dies_with_the_trainer(tool):
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    out = subprocess.run([sys.executable, "-c", TRAINER_DIES], capture_output=True, text=True, env=env, timeout=60)
+    ns, workdir = out.stdout.split()
+    assert ns.startswith("pid:["), (out.stdout, out.stderr)
+    assert _wait_until(lambda: not _procs_in_pid_ns(ns)), _procs_in_pid_ns(ns)
+    os.rmdir(workdir)  # a dead trainer leaves its (empty: the files were on the tmpfs) folders behind
