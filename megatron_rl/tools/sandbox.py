@@ -298,6 +298,7 @@ class ProcessSandbox(Sandbox):
             with self._lock:
                 if self._closed:
                     w.kill()
+                    w.proc.wait()
                     w.cleanup()
                     return
                 self._idle.append(w)
