@@ -323,8 +323,11 @@ def main():
             status = 1
     except BaseException as e:
         sys.stdout.flush()
-        tb = e.__traceback__.tb_next or e.__traceback__  # without this file's frame
-        traceback.print_exception(type(e), e, tb)
+        tb = e.__traceback__.tb_next  # without this file's frame
+        if tb is None:  # a SyntaxError: compile() failed, no frame of the program
+            sys.stderr.write("".join(traceback.format_exception_only(type(e), e)))
+        else:
+            traceback.print_exception(type(e), e, tb)
         status = 1
     for stream in (sys.stdout, sys.stderr):
         try:

@@ -104,6 +104,10 @@ def test_exception_reports_the_traceback(tool):
     r = run(tool, "x = 1 / 0")
     assert not r.ok and "status 1" in r.error and "ZeroDivisionError: division by zero" in r.error
     assert "sandbox_worker" not in r.error  # the worker's own frame is cut
+    r = run(tool, "print('unclosed)")
+    assert not r.ok and "SyntaxError: unterminated string literal" in r.error and "sandbox_worker" not in r.error
+    r = run(tool, "import sys\nprint('partial')\nsys.exit('bye')")
+    assert not r.ok and r.output == "partial\n" and r.error == "the program exited with status 1\nbye"
 
 
 def test_working_directory_is_writable_and_thrown_away(tool):
@@ -462,3 +466,10 @@ def test_a_running_program_dies_with_the_trainer(tool):
     assert ns.startswith("pid:["), (out.stdout, out.stderr)
     assert _wait_until(lambda: not _procs_in_pid_ns(ns)), _procs_in_pid_ns(ns)
     os.rmdir(workdir)  # a dead trainer leaves its (empty: the files were on the tmpfs) folders behind
+
+
+def test_the_trainer_cannot_be_signalled(sandboxed):
+    r = run(sandboxed, f"import os, signal\ntry:\n    os.kill({os.getpid()}, signal.SIGKILL)\n"
+                       "except OSError as e:\n    print('refused', type(e).__name__)")
+    # the audit hook refuses; without it the trainer's pid does not exist in the PID namespace
+    assert r.output in ("refused PermissionError\n", "refused ProcessLookupError\n"), (r.output, r.error)
