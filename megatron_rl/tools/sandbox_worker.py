@@ -22,7 +22,8 @@ directory as cwd. Before it says "ready" on stdout it puts itself behind every l
    kernel's).
 
 Then it reads the program (UTF-8) from stdin until EOF and `exec`s it as `__main__`: stdout and
-stderr are the pipes the trainer reads. An exception prints its traceback and exits 1.
+stderr are the pipes the trainer reads. An exception prints its traceback and exits 1. No logging:
+what it writes is its ready line and the program's output.
 """
 
 import json
@@ -36,6 +37,9 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_TRUNC
 
 
 def _unshare(spec, layers):
+    if not hasattr(os, "unshare"):
+        layers["namespaces_error"] = "os.unshare needs Python >= 3.12 (python_executable)"
+        return False
     flags = 0
     if spec["network_namespace"]:
         flags |= os.CLONE_NEWNET
