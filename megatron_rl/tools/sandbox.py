@@ -248,6 +248,7 @@ class ProcessSandbox(Sandbox):
         self._idle: list[_Worker] = []
         self._closed = False
         self._refilling = False
+        self._refill_thread: threading.Thread | None = None
         self._executor = ThreadPoolExecutor(self.config.max_concurrency, thread_name_prefix="sandbox")
         probe = _Worker(self.config)
         why = probe.wait_ready(self._START_TIMEOUT_S)
@@ -280,7 +281,8 @@ class ProcessSandbox(Sandbox):
             if self._closed or self._refilling or len(self._idle) >= self.config.pool_size:
                 return
             self._refilling = True
-        threading.Thread(target=self._refill, name="sandbox-refill", daemon=True).start()
+            self._refill_thread = threading.Thread(target=self._refill, name="sandbox-refill", daemon=True)
+            self._refill_thread.start()
 
     def _refill(self) -> None:
         try:
@@ -415,7 +417,11 @@ class ProcessSandbox(Sandbox):
     def close(self) -> None:
         """Kill the idle workers, delete their folders, stop the thread pool."""
         with self._lock:
-            self._closed, idle, self._idle = True, self._idle, []
+            self._closed, refill = True, self._refill_thread
+        if refill is not None:
+            refill.join(timeout=30)  # it stops at its next check and removes the worker it was starting
+        with self._lock:
+            idle, self._idle = self._idle, []
         for w in idle:
             w.kill()
             w.proc.wait()
