@@ -536,9 +536,10 @@ def launch_servers(
         spec_fields: the ``LaunchSpec`` fields (``host``, keys, ``random_seed``,
             ``enable_deterministic_inference``, ``embedded_args``, ``sglang_python``, ``tp_size``,
             ``mem_fraction_static``, ``skip_tokenizer_init``, ``sglang_args``, ``vllm_python``,
-            ``vllm_args``, ``ep_size``, ``return_routed_experts``, ``weight_transfer_backend``, ``vllm_device``). ``ep_size`` None or left out =
-            `engine_ep_size` of the model for ``sglang`` / ``vllm`` (``tp_size`` for a
-            Mixture-of-Experts model, else 1), 1 for the embedded server.
+            ``vllm_args``, ``ep_size``, ``return_routed_experts``, ``weight_transfer_backend``,
+            ``vllm_device``). ``ep_size`` None or left out = `engine_ep_size` of the model for
+            ``sglang`` / ``vllm`` (``tp_size`` for a Mixture-of-Experts model, else 1), 1 for the
+            embedded server.
         Others: as ``launch_rollout_server``.
 
     Returns:

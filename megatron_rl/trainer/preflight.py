@@ -263,7 +263,8 @@ CHECKS: tuple[Check, ...] = (
     Check("model_files", "model.path holds a Hugging Face model", model_files),
     Check("rollout_servers", "rollout servers reachable (rollout.server_urls)", rollout_servers),
     Check("engine_environment", "the engines' Python (rollout.sglang_python / vllm_python) with the engine "
-          "installed in it (sglang 0.5.x / vllm 0.33.x) and, for vLLM, a GPU",
+          "installed in it (sglang 0.5.x / vllm 0.33.x) and, for vLLM, a GPU (weight_sync nccl) or the gloo "
+          "plugin (gloo)",
           engine_environment),
 )
 """Every launch-time check, in the order `run_preflight` runs them."""
