@@ -52,6 +52,9 @@ def _check_vllm(cfg: Config) -> None:
         problems.append(f"trainer.pipeline_model_parallel_size {cfg.trainer.pipeline_model_parallel_size} with "
                         f"rollout.backend={r.backend}: a vLLM server has one weight-transfer group, each pipeline "
                         "stage sends over its own (use pipeline_model_parallel_size 1)")
+    if r.backend == "vllm" and r.temperature > 2.0:
+        problems.append(f"rollout.temperature {r.temperature}: vLLM refuses a temperature above 2 (HTTP 400 "
+                        "\"temperature must be in [0, 2]\"); lower it with rollout.backend=vllm")
     if r.admin_api_key:
         problems.append(f"rollout.admin_api_key: vLLM has no admin key (its --api-key guards /v1 only); "
                         f"unset it with rollout.backend={r.backend}")

@@ -129,3 +129,15 @@ def test_gloo_weight_update_changes_and_restores_generations(vllm_server):
     print(f"gloo group init {init_s:.3f} s; update of {m1['weight_sync/bytes'] / 2**20:.1f} MiB "
           f"({m1['weight_sync/num_tensors']:.0f} tensors): {m1['weight_sync/time_s']:.3f} s, restore "
           f"{m2['weight_sync/time_s']:.3f} s")
+
+
+def test_start_up_log_prob_check_passes_against_vllm_cpu(vllm_server):
+    """The trainer's start-up check (engine_checks.py) against the real engine: probed at vLLM's highest
+    temperature (2; vLLM refuses the stand-in's 3 with HTTP 400), the log-probs are the raw policy's."""
+    from megatron_rl.rollout.engine_checks import VLLM_MAX_TEMPERATURE, check_engines, probe_temperature
+    from megatron_rl.rollout.vllm_client import VLLMClient
+
+    server, _ = vllm_server
+    assert probe_temperature("vllm") == VLLM_MAX_TEMPERATURE
+    [check] = check_engines([VLLMClient(server.base_url, timeout_s=120.0)], vocab_size=128, backend="vllm")
+    assert check.mean_abs_diff < 1e-3, check

@@ -183,3 +183,24 @@ def test_plugin_is_a_vllm_general_plugin():
     text = (REPO / "plugins" / "vllm_gloo" / "pyproject.toml").read_text()
     assert '[project.entry-points."vllm.general_plugins"]' in text
     assert 'megatron_rl_gloo = "megatron_rl_vllm_gloo:register"' in text
+
+
+def test_vllm_temperature_limit_in_config_and_start_up_probe():
+    """vLLM refuses temperatures above 2 (found by the live tier): the config check says so for
+    rollout.backend=vllm, and the start-up probe samples real vLLM at 2 (the stand-in keeps 3)."""
+    from megatron_rl.config.schema import Config
+    from megatron_rl.config.validate import _check_vllm
+    from megatron_rl.errors import ConfigError
+    from megatron_rl.rollout.engine_checks import PROBE_TEMPERATURE, probe_temperature
+
+    assert probe_temperature("vllm") == 2.0 and probe_temperature("vllm-embedded") == PROBE_TEMPERATURE == 3.0
+    assert probe_temperature("sglang") == PROBE_TEMPERATURE
+    cfg = Config()
+    cfg.rollout.backend = "vllm"
+    cfg.rollout.temperature = 2.0
+    _check_vllm(cfg)
+    cfg.rollout.temperature = 2.5
+    with pytest.raises(ConfigError, match=r"rollout.temperature 2.5: vLLM refuses a temperature above 2"):
+        _check_vllm(cfg)
+    cfg.rollout.backend = "vllm-embedded"
+    _check_vllm(cfg)
