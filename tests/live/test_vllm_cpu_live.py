@@ -12,10 +12,12 @@ What it checks, on examples/tiny/base_model:
 1. ``launch_servers("vllm", ..., weight_transfer_backend="gloo", vllm_device="cpu")`` brings a
    ``vllm serve`` up (``/health``), and ``VLLMClient`` generates (greedy, token ids and log-probs);
 2. ``WeightSyncSender(backend="gloo")`` forms the group with the server's worker
-   (``/init_weight_transfer_engine``) and pushes perturbed weights: generations change and
-   ``/weight_info`` reports the new version;
+   (``/init_weight_transfer_engine``) and pushes perturbed weights: generations change,
+   ``/weight_info`` reports the new version, and the engine's log-probs of a fixed sequence are
+   Hugging Face's under the perturbed weights (every tensor arrived, the tied ``lm_head`` included);
 3. pushing the checkpoint's weights back restores the first generation exactly (tokens) and its
-   log-probs (to float32 round-off).
+   log-probs (to float32 round-off);
+4. the trainer's start-up log-prob check passes against the real engine.
 """
 
 from __future__ import annotations
@@ -78,6 +80,23 @@ def vllm_server(tmp_path_factory):
         server.stop(timeout_s=30.0)
 
 
+SCORED = ([5, 6, 7, 8, 9, 10], [22, 30, 16, 40, 50, 60, 70, 2])
+"""A prompt and a continuation the engine re-scores (``score_tokens``) against Hugging Face's forward."""
+
+
+def _hf_logprobs(state_dict: dict) -> list[float]:
+    """Log-probs of ``SCORED``'s continuation under transformers' float32 model with ``state_dict``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(MODEL), dtype=torch.float32).eval()
+    model.load_state_dict(state_dict, strict=False)
+    model.tie_weights()
+    prompt, cont = SCORED
+    with torch.no_grad():
+        lp = torch.log_softmax(model(torch.tensor([prompt + cont])).logits[0].float(), -1)
+    return [lp[len(prompt) - 1 + i, t].item() for i, t in enumerate(cont)]
+
+
 def _generate(client, tag: str) -> list:
     return [client.generate(p, dict(GREEDY), rid=f"{tag}-{i}-{time.monotonic_ns()}") for i, p in enumerate(PROMPTS)]
 
@@ -117,6 +136,10 @@ def test_gloo_weight_update_changes_and_restores_generations(vllm_server):
         m1 = sender.sync(perturbed.items(), "perturbed-1")
         assert client.weight_version() == "perturbed-1"
         changed = _generate(client, "perturbed")
+        # the engine now computes with every perturbed tensor (a tied lm_head included: vLLM's CPU
+        # reload left its packed GEMM on the old embedding until the plugin repacked it)
+        engine_lp = client.score_tokens(SCORED[0], SCORED[1])
+        assert max(abs(a - b) for a, b in zip(engine_lp, _hf_logprobs(perturbed))) < 1e-3
         assert [r.output_ids for r in changed] != [r.output_ids for r in before]
         m2 = sender.sync(original.items(), "restored-2")
         assert client.weight_version() == "restored-2"

@@ -144,6 +144,16 @@ except ValueError as e:
 engine.init_transfer_engine(engine.parse_init_info(info))
 engine.update_weights({"names": ["a", "b"], "dtype_names": ["float32", "bfloat16"], "shapes": [[2, 3], [4]]})
 engine.shutdown()
+
+from megatron_rl_vllm_gloo.engine import refresh_cpu_lm_heads
+
+class UnquantizedEmbeddingMethod:  # vLLM's class name; counts the repacks
+    calls = 0
+    def process_weights_after_loading(self, layer): UnquantizedEmbeddingMethod.calls += 1
+layers = torch.nn.ModuleList([torch.nn.Module() for _ in range(3)])
+layers[0].quant_method, layers[0].cpu_linear = UnquantizedEmbeddingMethod(), None  # a CPU lm_head
+layers[1].quant_method = UnquantizedEmbeddingMethod()  # no CPU GEMM (a GPU layer)
+print("refreshed", refresh_cpu_lm_heads(layers), UnquantizedEmbeddingMethod.calls, flush=True)
 print(json.dumps({n: [str(w.dtype), w.float().tolist()] for n, w in engine.model.loaded}))
 """
 
@@ -151,7 +161,8 @@ print(json.dumps({n: [str(w.dtype), w.float().tolist()] for n, w in engine.model
 def test_gloo_plugin_engine_receives_from_the_trainers_group():
     """The plugin's worker side joins ``megatron_rl.weight_sync.group``'s group (the trainer's, rank 0),
     receives one broadcast per tensor in the posted order and dtype and loads each; packed is refused;
-    no accelerator synchronize on CPU. vLLM itself is stubbed (its base class), in a subprocess."""
+    no accelerator synchronize on CPU; only CPU embedding-method layers are repacked after an update
+    (`refresh_cpu_lm_heads`). vLLM itself is stubbed (its base class), in a subprocess."""
     from megatron_rl.ports import find_free_port
     from megatron_rl.weight_sync.group import destroy_custom_process_group, init_custom_process_group
 
@@ -176,6 +187,7 @@ def test_gloo_plugin_engine_receives_from_the_trainers_group():
     assert worker.returncode == 0, err[-2000:]
     lines = out.strip().splitlines()
     assert lines[0].startswith("packed refused: the gloo weight transfer receives one broadcast per tensor")
+    assert "refreshed 1 1" in lines  # only the layer with a CPU GEMM is repacked (tied lm_head fix)
     assert json.loads(lines[-1]) == {"a": ["torch.float32", a.tolist()], "b": ["torch.bfloat16", b.float().tolist()]}
 
 

@@ -20,6 +20,8 @@ step for step, with a torch gloo process group in place of ``StatelessProcessGro
   device first when that is not the CPU). Packed transfer is refused.
 * ``update_weights``: the base class's, without its ``torch.accelerator.synchronize()`` on CPU
   (there is no accelerator; a gloo broadcast is complete when it returns).
+* on CPU, ``finish_weight_update`` also repacks the logits GEMM of tied embeddings
+  (`refresh_cpu_lm_heads`: vLLM's reload leaves a tied ``lm_head`` computing with the old weights).
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ from vllm.distributed.weight_transfer.base import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GlooWeightTransferEngine", "GlooWeightTransferInitInfo", "GlooWeightTransferUpdateInfo", "join_group"]
+__all__ = ["GlooWeightTransferEngine", "GlooWeightTransferInitInfo", "GlooWeightTransferUpdateInfo", "join_group",
+           "refresh_cpu_lm_heads"]
 
 DEFAULT_GROUP_NAME = "weight_update_group"
 
@@ -112,6 +115,26 @@ def join_group(host: str, port: int, world_size: int, rank: int, group_name: str
     return pg
 
 
+def refresh_cpu_lm_heads(model: torch.nn.Module) -> int:
+    """Re-run ``process_weights_after_loading`` of every layer with vLLM's embedding method and a
+    CPU GEMM (``cpu_linear``); returns how many.
+
+    On CPU, ``UnquantizedEmbeddingMethod.process_weights_after_loading`` packs a copy of the weight
+    for the logits GEMM (``dispatch_cpu_unquantized_gemm(layer, remove_weight=False)``). With tied
+    embeddings (``tie_word_embeddings``: ``lm_head.weight is embed_tokens.weight``), the layer-wise
+    reload copies a new ``embed_tokens.weight`` into the shared tensor and repacks ``embed_tokens``,
+    but ``lm_head`` loads nothing itself, so its packed copy keeps the old weights and the logits
+    come from them (found by megatron-rl's live tier: 34 nats off after an embedding update).
+    """
+    count = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if hasattr(module, "cpu_linear") and type(method).__name__ == "UnquantizedEmbeddingMethod":
+            method.process_weights_after_loading(module)
+            count += 1
+    return count
+
+
 class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]):
     """Receives dense checkpoint-format weights from the trainer (rank 0) over a gloo group."""
 
@@ -143,10 +166,13 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:
-        """Finalize layer-wise reloading after all weights have been received (as the nccl engine)."""
+        """Finalize layer-wise reloading after all weights have been received (as the nccl engine),
+        then, on CPU, refresh the packed GEMM copies of the embedding-method layers (`refresh_cpu_lm_heads`)."""
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         finalize_layerwise_reload(self.model, self.model_config)
+        if self.device.type == "cpu":
+            refresh_cpu_lm_heads(self.model)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         """The base class's, with the accelerator synchronize only where there is an accelerator."""
