@@ -91,7 +91,7 @@ class RolloutConfig(RolloutChecks):
     speak): `embedded` (the project's HF-transformers server speaking SGLang's HTTP API), `sglang`
     (`<sglang_python> -m sglang.launch_server`), `vllm` (`vllm serve`, run as `<vllm_python> -m
     vllm.entrypoints.cli.main serve`, with native NCCL weight transfer, vLLM 0.33.x's API,
-    docs/VLLM_API.md) or `vllm-embedded` (the embedded server speaking vLLM's API, a CPU stand-in
+    docs/VLLM_API.md; without a GPU vLLM's CPU build 0.32 with `weight_sync.backend: gloo`) or `vllm-embedded` (the embedded server speaking vLLM's API, a CPU stand-in
     for a vLLM server: the vLLM client path end to end where vLLM cannot run)."""
     server_urls: list[str] = field(default_factory=list)
     """Base URLs of running rollout servers; empty = start `num_servers` servers of `backend`."""
@@ -521,7 +521,8 @@ class WeightSyncConfig:
     bucket_size_mib: float = 512.0
     """Bytes per broadcast bucket, MiB."""
     backend: str = "gloo"
-    """gloo (CPU) | nccl (GPU)."""
+    """gloo (CPU) | nccl (GPU). With `rollout.backend: vllm`, nccl is vLLM's own transfer engine (CUDA GPUs)
+    and gloo megatron-rl's (plugins/vllm_gloo in vLLM's environment: vLLM's CPU build, scripts/setup_vllm_cpu.sh)."""
     master_address: str = "127.0.0.1"
     """Address the rollout servers reach the trainer's weight-sync TCPStore at. Default 127.0.0.1."""
     master_port: Optional[int] = None

@@ -38,6 +38,8 @@ def _check_finite(obj: Any, prefix: str = "") -> None:
 
 def _check_vllm(cfg: Config) -> None:
     """What vLLM's weight transfer cannot do (docs/VLLM_API.md), for `vllm` and its stand-in alike.
+    Both weight_sync backends are allowed: nccl is vLLM's own engine (CUDA GPUs), gloo is megatron-rl's
+    (plugins/vllm_gloo in vLLM's environment; the CPU build, issue 30): the launch check asks for either.
     Every problem found is reported in one `ConfigError` (one per line), so a user fixes them at once."""
     r, ws = cfg.rollout, cfg.weight_sync
     if r.backend not in ("vllm", "vllm-embedded"):
@@ -50,10 +52,9 @@ def _check_vllm(cfg: Config) -> None:
         problems.append(f"trainer.pipeline_model_parallel_size {cfg.trainer.pipeline_model_parallel_size} with "
                         f"rollout.backend={r.backend}: a vLLM server has one weight-transfer group, each pipeline "
                         "stage sends over its own (use pipeline_model_parallel_size 1)")
-    if r.backend == "vllm" and ws.backend != "nccl":
-        problems.append("weight_sync.backend: vLLM's weight transfer is NCCL only (rollout.backend=vllm needs "
-                        "weight_sync.backend=nccl and CUDA GPUs; on a CPU machine use rollout.backend=vllm-embedded, "
-                        "the embedded server speaking vLLM's API)")
+    if r.backend == "vllm" and r.temperature > 2.0:
+        problems.append(f"rollout.temperature {r.temperature}: vLLM refuses a temperature above 2 (HTTP 400 "
+                        "\"temperature must be in [0, 2]\"); lower it with rollout.backend=vllm")
     if r.admin_api_key:
         problems.append(f"rollout.admin_api_key: vLLM has no admin key (its --api-key guards /v1 only); "
                         f"unset it with rollout.backend={r.backend}")

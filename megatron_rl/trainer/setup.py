@@ -328,8 +328,9 @@ def _sender_factory(cfg: Config, engines, colocation=None):
                                 master_port=ws.master_port if group_name == "weight_update_group" else None,
                                 backend=ws.backend, group_name=group_name, bucket_size_mib=ws.bucket_size_mib,
                                 timeout_s=ws.timeout_s, load_format=ws.load_format,
-                                # a real vLLM server: its own NCCL group (the vllm-embedded stand-in: torch gloo)
-                                transport="vllm-nccl" if r.backend == "vllm" else "torch")
+                                # a real vLLM server with nccl: its own NCCL group; with gloo (plugins/vllm_gloo)
+                                # and the vllm-embedded stand-in: a torch gloo group
+                                transport="vllm-nccl" if r.backend == "vllm" and ws.backend == "nccl" else "torch")
 
     return make
 
