@@ -37,7 +37,7 @@ class RolloutChecks:
     check_logprob_semantics: bool = True
     """Before step 1, check on every engine that the log-probs it reports are those of the
     unscaled, unfiltered policy (temperature 1, no top-k/top-p), as the trainer computes them
-    (`megatron_rl.rollout.engine_checks`: a few tokens sampled at temperature 3 and top-p 0.95,
+    (`megatron_rl.rollout.engine_checks`: a few tokens sampled at temperature 3 (2 on vLLM) and top-p 0.95,
     re-scored as prompt tokens; 0.2-0.8 s per engine on the tiny model on CPU). A mismatch stops the run,
     naming the engine and the setting that fixes it (SGLang: SGLANG_RETURN_ORIGINAL_LOGPROB=1 in the
     server's environment; vLLM: `--logprobs-mode raw_logprobs`). The PPO anchor of

@@ -343,8 +343,11 @@ def run_eval(*, datasets: Sequence[str], out_dir: str | os.PathLike, checkpoint:
         tokenizer = AutoTokenizer.from_pretrained(tok_path)
         pool = stack.enter_context(RewardPool(num_reward_workers, reward_timeout_s))
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        from megatron_rl.rollout.engine_checks import engine_context_limit
+
         manager = RolloutManager([client], tokenizer, pool, reward_fn="math_auto", max_prompt_length=1 << 30,
                                  max_response_length=settings.max_new_tokens, seed=settings.seed,
-                                 max_concurrency=max_concurrency, eos_token_ids=eos)
+                                 max_concurrency=max_concurrency, eos_token_ids=eos,
+                                 context_limit=engine_context_limit([client]))  # refused, not cut, when too long
         stack.callback(manager.close)
         return evaluate_datasets(manager, pool, tokenizer, loaded, settings, out)

@@ -347,8 +347,28 @@ class RolloutClient(HTTPEngineClient):
 
     def transfer_world_size(self) -> int:
         """Ranks the server adds to a weight-update group: SGLang's TP workers, each joining at
-        ``rank_offset + tp_rank`` (``/server_info`` ``tp_size``; 1 when not reported)."""
-        return int(self.server_info().get("tp_size", 1))
+        ``rank_offset + tp_rank`` (``/server_info`` ``tp_size``; 1 when not reported).
+
+        Raises:
+            RolloutServerError: ``tp_size`` is not a whole number >= 1, or the server runs pipeline
+                or data parallelism (``pp_size`` / ``dp_size`` > 1): SGLang's workers join at
+                ``rank_offset + tp_rank`` only, so two of them would take one rank and the
+                rendezvous would hang. Names the server.
+        """
+        info = self.server_info()
+        tp = info.get("tp_size", 1)
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise RolloutServerError(f"rollout server {self.base_url}: /server_info tp_size is {tp!r}, expected a "
+                                     "whole number >= 1", url=self.base_url, status_code=200)
+        for key in ("pp_size", "dp_size"):
+            n = info.get(key) or 1
+            if isinstance(n, int) and n > 1:
+                raise RolloutServerError(
+                    f"rollout server {self.base_url} runs {key} {n}: SGLang's workers join the weight-update group at "
+                    f"rank_offset + tp_rank only, so its {key.split('_')[0].upper()} replicas would take the same "
+                    "ranks; run one engine per replica (rollout.num_servers / rollout.server_urls) instead",
+                    url=self.base_url, status_code=200)
+        return tp
 
     def context_length(self) -> int | None:
         """Tokens prompt + response may hold (SGLang refuses ``input + max_new_tokens`` beyond its

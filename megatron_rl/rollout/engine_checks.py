@@ -130,7 +130,13 @@ def check_logprob_semantics(engine, *, vocab_size: int, backend: str, tolerance:
                                  f"log-probs and got {len(tokens)} tokens, log-probs {reported!r} (finish "
                                  f"{res.finish_type})", url=url, status_code=200)
     rescored = engine.score_tokens(prompt, tokens, timeout_s=timeout_s)
-    diffs = [abs(float(a) - float(b)) for a, b in zip(reported, rescored)]
+    try:
+        if len(rescored) != len(tokens):
+            raise ValueError(f"{len(rescored)} re-scored log-probs for {len(tokens)} tokens")
+        diffs = [abs(float(a) - float(b)) for a, b in zip(reported, rescored)]
+    except (TypeError, ValueError) as e:  # an answer the clients did not validate: name the engine
+        raise RolloutServerError(f"rollout engine {url}: the log-prob check got an unusable answer ({e}; "
+                                 f"reported {reported!r}, re-scored {rescored!r})", url=url, status_code=200) from None
     check = LogprobCheck(url=url, tokens=len(diffs), mean_abs_diff=sum(diffs) / len(diffs),
                          max_abs_diff=max(diffs), seconds=time.perf_counter() - t0)
     if not check.mean_abs_diff <= tolerance:  # NaN fails too

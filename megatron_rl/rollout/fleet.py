@@ -181,6 +181,11 @@ class ServerFleet:
         self.membership_changed = True
         logger.warning("rollout server %d restarted (pid %d)", index, proc.process.pid)
 
+    def sync_done(self) -> None:
+        """The weight sync after `recover` ended (the publisher calls it, also after a failed sync,
+        which stops the run): requests held in `pick` go on."""
+        self._synced.set()
+
     def check_all(self) -> None:
         """Mark down every up server whose process died or whose ``/health`` does not answer."""
         with self._lock:
@@ -196,6 +201,8 @@ class ServerFleet:
         """Before a weight sync: restart the started servers that are down, take back given ones
         that answer again. Returns True when the set of up servers changed since the group was made
         (then the weight-update group must be re-created over ``up_clients()``); resets that flag.
+        A server brought back holds weights the trainer does not: `pick` waits (every server)
+        until the sync that includes it ends and its caller calls `sync_done`.
 
         Raises:
             RolloutServerError: a restart failed or the budget is spent while no server is up.
@@ -209,11 +216,13 @@ class ServerFleet:
                         self._up[i] = True
                         self._epoch[i] += 1
                         self.membership_changed = True
+                        self._synced.clear()  # its weights are not the trainer's until this sync ends
                         logger.warning("rollout server %d (%s) answers again; it rejoins at this sync", i,
                                        self.clients[i].base_url)
                     continue
                 try:
                     self._restart(i, None)
+                    self._synced.clear()  # back on the checkpoint's weights until this sync ends
                 except RolloutServerError:
                     if not any(self._up):
                         raise

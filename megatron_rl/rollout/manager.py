@@ -249,8 +249,8 @@ class RolloutManager:
             limit, url = self.context_limit
             raise ValueError(
                 f"prompt {row.prompt_key} ({row.origin or 'no file row'}) has {len(ids)} tokens; with the response "
-                f"budget of {max_new_tokens} tokens (data.max_response_length, eval.max_response_length for "
-                f"evaluation) that is {len(ids) + max_new_tokens} > {limit}, the context limit of the rollout engine "
+                f"budget of {max_new_tokens} tokens (data.max_response_length; eval.max_response_length for "
+                f"evaluation in training; --max-new-tokens of megatron-rl eval) that is {len(ids) + max_new_tokens} > {limit}, the context limit of the rollout engine "
                 f"at {url}: lower data.max_prompt_length (longer prompts are refused) or the response budget, or "
                 f"start the engine with a longer context")
 

@@ -184,6 +184,13 @@ class WeightPublisher:
             return self.follow(receive_from_controller(self.pgs))
         self._live = (live, stale_below if live else None)
         self._stale_aborted = 0
+        try:
+            return self._publish(version)
+        finally:
+            self.fleet.sync_done()  # engines `recover` brought back take requests only from here
+
+    def _publish(self, version: int) -> dict:
+        """The controller's attempts of `publish` (its docstring)."""
         error = None
         for attempt in (1, 2):
             try:

@@ -68,3 +68,10 @@ def test_eval_errors_are_clear(tmp_path):
                           "--data", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "o")],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert res.returncode == 1 and "none.jsonl: no such dataset file" in res.stderr
+    # the default response budget (20480 tokens) does not fit the tiny model's 256-token context:
+    # refused before any request, naming the row, the numbers and the option (not cut by the engine)
+    res = subprocess.run([sys.executable, "-m", "megatron_rl.cli", "eval", "--checkpoint", str(MODEL),
+                          "--data", str(DATA), "--max-problems", "1", "--out", str(tmp_path / "o")],
+                         capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 1 and "with the response budget of 20480 tokens" in res.stderr, res.stderr[-2000:]
+    assert "--max-new-tokens of megatron-rl eval" in res.stderr and "> 256, the context limit" in res.stderr

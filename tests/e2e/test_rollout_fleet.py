@@ -203,7 +203,8 @@ def test_killed_only_server_is_restarted_and_resynced(model_dir, hf_model, tmp_p
 
 def test_killed_server_is_dropped_then_restarted_at_the_next_sync(model_dir, hf_model, tmp_path, caplog):
     """Two servers, one killed mid-rollout: its requests finish on the other (dropped with a
-    warning); at the next sync it is restarted, joins a new group and serves the trainer's weights."""
+    warning); at the next sync it is restarted, joins a new group and serves the trainer's weights;
+    between its restart and the end of that sync no request is placed on any server."""
     caplog.set_level(logging.WARNING)
     servers = launch_servers("embedded", model_dir, 2, log_dir=tmp_path, startup_timeout_s=180,
                              embedded_args=["--dtype", "float32", "--max-batch-size", "4"])
@@ -227,8 +228,14 @@ def test_killed_server_is_dropped_then_restarted_at_the_next_sync(model_dir, hf_
         # the next sync: restart, new group over both, push
         fleet.check_all()
         assert fleet.recover() is True and fleet.up_indices() == [0, 1] and fleet.restarts == 1
+        # the restarted server holds the checkpoint's weights: no request is placed until the sync ends
+        picked = threading.Event()
+        threading.Thread(target=lambda: (fleet.pick(1), picked.set()), daemon=True).start()
+        assert not picked.wait(1.0)
         sender.reinit(fleet.up_clients())
         sender.sync(hf_model.state_dict().items(), weight_version="2")
+        fleet.sync_done()  # the publisher's call after the sync
+        assert picked.wait(30)
         assert [c.weight_version() for c in clients] == ["2", "2"]
         # every prompt on either server: the restarted one serves the synced weights too
         assert _greedy(manager, 8, "v2") == synced

@@ -177,32 +177,49 @@ class Block:
     skip_reason: str | None
 
 
+SHELL_LANGUAGES = {"", "bash", "sh", "shell", "console", "zsh"}
+"""Fence languages whose blocks are commands (an untagged block counts: it is how commands are
+usually shown); every other language (text, yaml, python, json, ...) is not run."""
+OPEN_FENCE = re.compile(r"^\s*(?P<fence>```+|~~~+)\s*(?P<info>[^`]*)$")
+
+
 def bash_blocks(page: Path) -> list[Block]:
-    """Every ```bash block of a page: its commands (continuations joined, comments and blank lines
-    dropped) and the reason of the skip marker right above it, if any."""
+    """Every shell block of a page (``` or ~~~ fences, language in `SHELL_LANGUAGES`, any info
+    after it): its commands (continuations joined, comments and blank lines dropped; a trailing
+    `\\` at the end of the block kept as a command) and the reason of the skip marker right above
+    it, if any."""
     lines = page.read_text().splitlines()
     blocks, i = [], 0
     while i < len(lines):
-        if re.match(r"^\s*```(bash|sh|shell|console)\s*$", lines[i]):
-            start, body = i, []
+        opened = OPEN_FENCE.match(lines[i])
+        if not opened:
             i += 1
-            while i < len(lines) and not FENCE.match(lines[i]):
-                body.append(lines[i])
-                i += 1
-            prev = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
-            mark = SKIP_MARK.match(prev.strip())
-            commands, pending = [], ""
-            for raw in body:
-                text = raw.rstrip()
-                if not pending and (not text.strip() or text.lstrip().startswith("#")):
-                    continue
-                if text.endswith("\\"):
-                    pending += text[:-1] + " "
-                    continue
-                commands.append((pending + text).strip())
-                pending = ""
-            blocks.append(Block(page, start + 1, commands, mark.group("reason") if mark else None))
+            continue
+        fence, info = opened.group("fence"), opened.group("info").strip()
+        language = info.split()[0].lower() if info else ""
+        start, body = i, []
         i += 1
+        while i < len(lines) and not re.match(rf"^\s*{re.escape(fence[0])}{{{len(fence)},}}\s*$", lines[i]):
+            body.append(lines[i])
+            i += 1
+        i += 1  # past the closing fence
+        if language not in SHELL_LANGUAGES:
+            continue
+        prev = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
+        mark = SKIP_MARK.match(prev.strip())
+        commands, pending = [], ""
+        for raw in body:
+            text = raw.rstrip()
+            if not pending and (not text.strip() or text.lstrip().startswith("#")):
+                continue
+            if text.endswith("\\"):
+                pending += text[:-1] + " "
+                continue
+            commands.append((pending + text).strip())
+            pending = ""
+        if pending.strip():
+            commands.append(pending.strip())
+        blocks.append(Block(page, start + 1, commands, mark.group("reason") if mark else None))
     return blocks
 
 
@@ -213,7 +230,10 @@ def cheap_argv(command: str) -> list[str] | None:
     No shell syntax (pipes, redirections, `&&`, `;`, `&`, variables) is allowed."""
     if re.search(r"[|&;<>$`]", re.sub(r"#.*$", "", command)):
         return None
-    words = shlex.split(command, comments=True)
+    try:
+        words = shlex.split(command, comments=True)
+    except ValueError:  # unbalanced quotes: not a command the test can run
+        return None
     if not words or words[0] not in (".venv/bin/megatron-rl", "megatron-rl"):
         return None
     argv = words[1:]
@@ -237,9 +257,10 @@ ALL_BLOCKS = [b for page in COMMAND_PAGES for b in bash_blocks(page)]
 def test_every_block_is_run_or_marked():
     """A block with a command that is not cheap must carry a visible skip marker."""
     unmarked = [f"{_rel(b.page)}:{b.line}: {bad[0]}" for b in ALL_BLOCKS if b.skip_reason is None
-                for bad in [[c for c in b.commands if cheap_argv(c) is None]] if bad]
+                for bad in [[c for c in b.commands if cheap_argv(c) is None] or
+                            ([] if b.commands else ["(a shell block with no command: tag it text)"])] if bad]
     assert not unmarked, (
-        "bash blocks with commands the docs test cannot run; put `<!-- docs-test: skip (REASON) -->` on the "
+        "shell blocks (```bash / sh / console / untagged, or ~~~) with commands the docs test cannot run; put `<!-- docs-test: skip (REASON) -->` on the "
         "line above the block, or show a cheap command (config-keys, --help, train --dry-run):\n"
         + "\n".join(unmarked))
 
@@ -267,3 +288,20 @@ def test_documented_commands_run(capsys):
             print(f"  skipped {s}")
     assert not failures, "documented commands failed:\n" + "\n\n".join(failures)
     assert ran, "no documented command ran: the extraction is broken"
+
+
+def test_block_extraction_sees_every_shell_fence(tmp_path):
+    """~~~ fences, untagged blocks and info strings after the language are shell blocks; a text
+    block is not; a trailing backslash at the end of a block still yields its command."""
+    page = tmp_path / "p.md"
+    page.write_text("\n".join([
+        "~~~bash", "megatron-rl config-keys", "~~~",
+        "```", "megatron-rl train --help \\", "```",
+        '```bash title="x"', "# only a comment", "```",
+        "```text", "not a command", "```",
+        "<!-- docs-test: skip (slow) -->", "```console", "megatron-rl train --config a.yaml", "```",
+    ]))
+    blocks = bash_blocks(page)
+    assert [(b.line, b.commands, b.skip_reason) for b in blocks] == [
+        (1, ["megatron-rl config-keys"], None), (4, ["megatron-rl train --help"], None), (7, [], None),
+        (14, ["megatron-rl train --config a.yaml"], "slow")]

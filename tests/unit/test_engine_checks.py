@@ -72,3 +72,36 @@ def test_manager_refuses_a_prompt_that_does_not_fit_the_engine_context():
     with pytest.raises(ValueError, match=r"has 32 tokens; with the response budget of 20 tokens .* 52 > 48"):
         m.generate(rows[:1], n=1, sampling_params={}, tag="e0", seed_parts=(0,), max_new_tokens=20)
     m.close()
+
+
+class _Answers:
+    """An engine whose answers no client validated (a third-party `RolloutEngine`): generates 8
+    tokens with log-probs, re-scores them as `rescored`."""
+
+    base_url = "http://odd-engine"
+
+    def __init__(self, rescored):
+        self.rescored = rescored
+
+    def generate(self, prompt, params, rid, logprobs, timeout_s=None):
+        from megatron_rl.rollout.client import GenerateResult
+
+        return GenerateResult(rid=rid, output_ids=list(range(8)), output_logprobs=[-1.0] * 8, finish_type="length",
+                              matched_stop=None, stop_reason=None, prompt_tokens=len(prompt), completion_tokens=8,
+                              weight_version="0")
+
+    def score_tokens(self, prompt, tokens, timeout_s=None):
+        return self.rescored
+
+
+@pytest.mark.parametrize("rescored, reason", [
+    ([-1.0], "1 re-scored log-probs for 8 tokens"), ([], "0 re-scored log-probs for 8 tokens"),
+    ([None] * 8, "float\\(\\) argument must be"),
+])
+def test_an_unusable_rescoring_is_refused_naming_the_engine(rescored, reason):
+    from megatron_rl.errors import RolloutServerError
+    from megatron_rl.rollout.engine_checks import check_logprob_semantics
+
+    with pytest.raises(RolloutServerError, match=f"rollout engine http://odd-engine: .*{reason}"):
+        check_logprob_semantics(_Answers(rescored), vocab_size=128, backend="sglang")
+    assert check_logprob_semantics(_Answers([-1.0] * 8), vocab_size=128, backend="sglang").tokens == 8

@@ -266,3 +266,21 @@ def test_update_weight_version_does_not_abort_by_default():
     c.update_weight_version("4", abort_all_requests=True)
     assert bodies == [("/update_weight_version", {"new_version": "3", "abort_all_requests": False}),
                       ("/update_weight_version", {"new_version": "4", "abort_all_requests": True})]
+
+
+@pytest.mark.parametrize("info, expected", [
+    ({"tp_size": 4}, 4), ({}, 1), ({"tp_size": 2, "pp_size": 1, "dp_size": 1}, 2),
+    ({"tp_size": None}, "tp_size is None, expected a whole number >= 1"),
+    ({"tp_size": 1.5}, "tp_size is 1.5"), ({"tp_size": True}, "tp_size is True"),
+    ({"tp_size": 2, "pp_size": 2}, "runs pp_size 2: SGLang's workers join .* rank_offset \\+ tp_rank only"),
+    ({"tp_size": 1, "dp_size": 2}, "runs dp_size 2"),
+])
+def test_transfer_world_size_is_checked_and_names_the_server(info, expected):
+    """SGLang's workers join the weight-update group at rank_offset + tp_rank: a bad tp_size or
+    PP / DP replicas (which would share ranks and hang the rendezvous) are refused naming the server."""
+    client = _mock_client(lambda request: httpx.Response(200, json=info))
+    if isinstance(expected, int):
+        assert client.transfer_world_size() == expected
+    else:
+        with pytest.raises(RolloutServerError, match=f"rollout server http://mock.*{expected}"):
+            client.transfer_world_size()
