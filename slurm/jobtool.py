@@ -321,7 +321,7 @@ def check_job(
     from megatron_rl.trainer.preflight import get_check
 
     if device not in ("gpu", "cpu"):
-        raise JobConfigError(f"MEGATRON_RL_DEVICE={device}: expected gpu or cpu")
+        raise JobConfigError(f"device {device!r} (--device, MEGATRON_RL_DEVICE in the sbatch scripts): expected gpu or cpu")
     if rollout_backend and rollout_backend not in ENGINES:
         raise JobConfigError(f"ROLLOUT_BACKEND={rollout_backend}: expected {' or '.join(ENGINES)} (the rollout "
                              "engines the job starts; unset = the recipe's rollout.backend)")
@@ -528,7 +528,7 @@ def wait_health(urls: Sequence[str], timeout_s: float) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI of this module (see the module docstring). Exit code 2 and one line on stderr on errors."""
-    p = argparse.ArgumentParser(prog="slurm/jobtool.py", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="slurm/jobtool.py", description=" ".join(__doc__.split("\n\n")[0].split()))
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("ipv4", help="this node's IPv4 on --iface")
     a.add_argument("--iface", required=True)
