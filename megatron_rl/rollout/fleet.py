@@ -64,6 +64,8 @@ class ServerFleet:
         self.processes = list(processes) if processes is not None else [None] * len(self.clients)
         self.max_restarts = max_restarts
         self._resync = resync
+        self._admit: Callable[[RolloutClient], None] | None = None
+        self._refused = False
         self._up = [True] * len(self.clients)
         self._epoch = [0] * len(self.clients)  # bumped at every state change of a server
         self._lock = threading.RLock()
@@ -78,6 +80,28 @@ class ServerFleet:
         self.gate = GenerationGate()
         """What the rollout manager and the weight publisher share about live updates (pauses, the
         published version, requests in flight; ``megatron_rl.rollout.live``)."""
+
+    def set_admit(self, admit: Callable[[RolloutClient], None]) -> None:
+        """Set the start-up checks an engine must pass again when `recover` brings it back (a
+        given URL that answers again may have been restarted with other settings): `admit(client)`
+        raises `RolloutServerError` to keep it out."""
+        self._admit = admit
+
+    def _admitted(self, i: int) -> bool:
+        """Run the start-up checks on server `i`, just brought back; False (and marked down again,
+        logged with the reason) when it fails them."""
+        if self._admit is None:
+            return True
+        try:
+            self._admit(self.clients[i])
+            return True
+        except RolloutServerError as e:
+            self._up[i] = False
+            self._epoch[i] += 1
+            self._refused = True
+            logger.error("rollout server %d (%s) came back but fails the start-up checks; it stays out: %s", i,
+                         self.clients[i].base_url, e)
+            return False
 
     def set_resync(self, resync: Callable[[list[RolloutClient]], None]) -> None:
         """Set the callback that re-creates the weight-update group and pushes the current weights."""
@@ -208,6 +232,7 @@ class ServerFleet:
             RolloutServerError: a restart failed or the budget is spent while no server is up.
         """
         with self._lock:
+            self._refused = False
             for i, up in enumerate(self._up):
                 if up:
                     continue
@@ -216,16 +241,21 @@ class ServerFleet:
                         self._up[i] = True
                         self._epoch[i] += 1
                         self.membership_changed = True
-                        self._synced.clear()  # its weights are not the trainer's until this sync ends
-                        logger.warning("rollout server %d (%s) answers again; it rejoins at this sync", i,
-                                       self.clients[i].base_url)
+                        if self._admitted(i):
+                            self._synced.clear()  # its weights are not the trainer's until this sync ends
+                            logger.warning("rollout server %d (%s) answers again; it rejoins at this sync", i,
+                                           self.clients[i].base_url)
                     continue
                 try:
                     self._restart(i, None)
-                    self._synced.clear()  # back on the checkpoint's weights until this sync ends
+                    if self._admitted(i):
+                        self._synced.clear()  # back on the checkpoint's weights until this sync ends
                 except RolloutServerError:
                     if not any(self._up):
                         raise
                     logger.exception("rollout server %d could not be restarted; continuing without it", i)
+            if self._refused and not any(self._up):
+                raise RolloutServerError("no rollout server is up: the ones brought back failed the start-up checks "
+                                         "(logged above)")
             changed, self.membership_changed = self.membership_changed, False
             return changed

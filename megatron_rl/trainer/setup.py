@@ -381,6 +381,27 @@ def _check_engines(run: Run, clients) -> tuple[int, str] | None:
     return engine_context_limit(clients)
 
 
+def _admit_engine(run: Run, client, context_limit: tuple[int, str] | None) -> None:
+    """The start-up checks again, for an engine the fleet brings back before a sync: its log-probs
+    (as `_check_engines`) and a context no shorter than the run's limit.
+
+    Raises:
+        RolloutServerError: it fails either (names it; the fleet keeps it out).
+    """
+    from megatron_rl.errors import RolloutServerError
+    from megatron_rl.rollout.engine_checks import check_engines
+
+    r = run.cfg.rollout
+    if r.check_logprob_semantics:
+        vocab = min(len(run.tokenizer), int(run.hf_config.get("vocab_size") or len(run.tokenizer)))
+        check_engines([client], vocab_size=vocab, backend=r.backend, timeout_s=r.timeout_s)
+    n = client.context_length() if context_limit is not None else None
+    if n is not None and n < context_limit[0]:
+        raise RolloutServerError(f"rollout engine {client.base_url} came back with a context of {n} tokens, shorter than "
+                                 f"the {context_limit[0]} the run started with (prompts were checked against that)",
+                                 url=client.base_url, status_code=200)
+
+
 def _connect_controller(run: Run, stack: contextlib.ExitStack, remote_urls=()) -> None:
     """Controller: engines (`remote_urls`: other nodes' colocated ones), rollout manager + reward
     pool, producer, metrics writer."""
@@ -392,6 +413,7 @@ def _connect_controller(run: Run, stack: contextlib.ExitStack, remote_urls=()) -
     cfg, r = run.cfg, run.cfg.rollout
     fleet = run.engines.connect(remote_urls)
     context_limit = _check_engines(run, fleet.clients)
+    fleet.set_admit(lambda client: _admit_engine(run, client, context_limit))
     pool = stack.enter_context(RewardPool(cfg.reward.num_workers, cfg.reward.timeout_s))
     ob = cfg.reward.overlong_buffer
     eos = {run.tokenizer.eos_token_id} if run.tokenizer.eos_token_id is not None else set()

@@ -260,3 +260,34 @@ def test_killed_server_is_dropped_then_restarted_at_the_next_sync(model_dir, hf_
         manager.close()
         for s in servers:
             s.stop()
+
+
+def test_an_engine_that_comes_back_misconfigured_stays_out(model_dir, tmp_path, caplog):
+    """A given URL that was down and answers again is checked like at start-up before it rejoins
+    (issue 32): one that came back reporting temperature-scaled log-probs stays out, named in the
+    log with the setting that fixes it; the fleet goes on with the engine that passed."""
+    from megatron_rl.engine.test_hooks import PROCESSED_LOGPROBS_ENV
+    from megatron_rl.ports import find_free_port
+    from megatron_rl.rollout.client import RolloutClient
+    from megatron_rl.rollout.engine_checks import check_engines
+    from megatron_rl.rollout.launcher import launch_rollout_server
+
+    caplog.set_level(logging.WARNING)
+    args = ["--dtype", "float32"]
+    port = find_free_port()
+    with launch_rollout_server(model_dir, log_path=tmp_path / "a.log", extra_args=args) as good:
+        clients = [RolloutClient(good.base_url, timeout_s=30), RolloutClient(f"http://127.0.0.1:{port}", timeout_s=30)]
+        fleet = ServerFleet(clients, None)
+        fleet.set_admit(lambda c: check_engines([c], vocab_size=512, backend="sglang"))
+        fleet.check_all()  # nothing listens at the second URL yet
+        assert fleet.up_indices() == [0]
+        env = dict(os.environ, **{PROCESSED_LOGPROBS_ENV: "1"})
+        with launch_rollout_server(model_dir, port=port, log_path=tmp_path / "b.log", extra_args=args, env=env):
+            fleet.recover()
+            assert fleet.up_indices() == [0]
+            assert fleet.pick(1) == (0, fleet._epoch[0])  # requests go on, to the engine that passed
+        text = caplog.text
+        assert f"rollout server 1 (http://127.0.0.1:{port}) came back but fails the start-up checks" in text
+        assert "SGLANG_RETURN_ORIGINAL_LOGPROB=1" in text
+        for c in clients:
+            c.close()
