@@ -134,7 +134,8 @@ def test_context_limit_is_known_and_a_prompt_that_does_not_fit_is_refused_before
         m.generate(rows, n=2, sampling_params={"temperature": 1.0}, tag="s1", seed_parts=(0,), max_new_tokens=budget)
     assert str(err.value) == (
         f"prompt {longer.prompt_key} ({longer.origin}) has {max(lengths)} tokens; with the response budget of {budget} "
-        f"tokens (data.max_response_length, eval.max_response_length for evaluation) that is {CONTEXT + 1} > "
+        f"tokens (data.max_response_length; eval.max_response_length for evaluation in training; --max-new-tokens "
+        f"of megatron-rl eval) that is {CONTEXT + 1} > "
         f"{CONTEXT}, the context limit of the rollout engine at {engines.good.base_url}: lower "
         "data.max_prompt_length (longer prompts are refused) or the response budget, or start the engine with a "
         "longer context")
