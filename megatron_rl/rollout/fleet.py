@@ -82,9 +82,9 @@ class ServerFleet:
         published version, requests in flight; ``megatron_rl.rollout.live``)."""
 
     def set_admit(self, admit: Callable[[RolloutClient], None]) -> None:
-        """Set the start-up checks an engine must pass again when `recover` brings it back (a
-        given URL that answers again may have been restarted with other settings): `admit(client)`
-        raises `RolloutServerError` to keep it out."""
+        """Set the start-up checks a given engine (one this run did not start) must pass again
+        when `recover` takes it back (it may have been restarted with other settings):
+        `admit(client)` raises `RolloutServerError` to keep it out."""
         self._admit = admit
 
     def _admitted(self, i: int) -> bool:
@@ -247,9 +247,8 @@ class ServerFleet:
                                            self.clients[i].base_url)
                     continue
                 try:
-                    self._restart(i, None)
-                    if self._admitted(i):
-                        self._synced.clear()  # back on the checkpoint's weights until this sync ends
+                    self._restart(i, None)  # started again by this run with the run's own flags: not re-checked
+                    self._synced.clear()  # back on the checkpoint's weights until this sync ends
                 except RolloutServerError:
                     if not any(self._up):
                         raise

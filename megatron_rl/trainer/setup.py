@@ -413,7 +413,8 @@ def _connect_controller(run: Run, stack: contextlib.ExitStack, remote_urls=()) -
     cfg, r = run.cfg, run.cfg.rollout
     fleet = run.engines.connect(remote_urls)
     context_limit = _check_engines(run, fleet.clients)
-    fleet.set_admit(lambda client: _admit_engine(run, client, context_limit))
+    if not r.colocate:  # colocated engines are the run's own (node leaders restart them), asleep between syncs
+        fleet.set_admit(lambda client: _admit_engine(run, client, context_limit))
     pool = stack.enter_context(RewardPool(cfg.reward.num_workers, cfg.reward.timeout_s))
     ob = cfg.reward.overlong_buffer
     eos = {run.tokenizer.eos_token_id} if run.tokenizer.eos_token_id is not None else set()
