@@ -47,7 +47,6 @@ def test_no_fp8_by_default():
     (["trainer.precision=bf16", "trainer.fp8=hybrid", "trainer.fp8_amax_compute_algo=mean"], "fp8_amax_compute_algo"),
     (["trainer.precision=bf16", "trainer.fp8=hybrid", "trainer.fp8_amax_history_len=0"], "fp8_amax_history_len"),
     (["trainer.precision=bf16", "trainer.fp8=hybrid", "trainer.transformer_impl=local"], "transformer_impl"),
-    (["trainer.sequence_parallel=true", "trainer.transformer_impl=local"], "transformer_impl"),
     (["trainer.precision=bf16", "trainer.fp8=hybrid", "trainer.fp8_param_gather=true"], "fp8_param_gather"),
     (["trainer.transformer_impl=te"], "transformer_impl"),
 ])
