@@ -66,7 +66,10 @@ def run(t: PythonTool, code: str) -> ToolResult:
 def _children() -> set[int]:
     out = set()
     for task in Path(f"/proc/{os.getpid()}/task").iterdir():
-        out.update(int(p) for p in (task / "children").read_text().split())
+        try:
+            out.update(int(p) for p in (task / "children").read_text().split())
+        except FileNotFoundError:  # a thread of this process ended between the listing and the read
+            continue
     return out
 
 
