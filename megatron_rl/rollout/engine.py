@@ -141,9 +141,16 @@ class RolloutEngine(abc.ABC):
         (`megatron_rl.rollout.engine_checks`).
 
         Raises:
-            NotImplementedError: this default (an engine without prompt log-probs).
+            RolloutServerError: this default, for an engine that returns no prompt log-probs (the
+                SGLang and vLLM clients override it): the start-up check cannot run on it, and the
+                message says how to skip the check.
         """
-        raise NotImplementedError(f"{type(self).__name__} cannot score prompt tokens")
+        from megatron_rl.errors import RolloutServerError
+
+        url = getattr(self, "base_url", None)
+        raise RolloutServerError(f"rollout engine {url or type(self).__name__} ({type(self).__name__}) returns no "
+                                 "prompt log-probs, so the start-up log-prob check cannot run on it; set "
+                                 "rollout.check_logprob_semantics=false to trust its log-probs unchecked", url=url)
 
     # ---- the weight-update session -----------------------------------------------------------
     @abc.abstractmethod
