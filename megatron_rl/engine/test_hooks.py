@@ -107,9 +107,18 @@ def processed_logprobs() -> bool:
     Raises:
         ValueError: any other value (the message names the variable).
     """
-    raw = os.environ.get(PROCESSED_LOGPROBS_ENV, "").strip()
+    return _on_off(PROCESSED_LOGPROBS_ENV, "report temperature-scaled log-probs")
+
+
+def _on_off(env: str, meaning: str) -> bool:
+    """A ``0``/``1`` hook variable: True for ``1``; False when unset, blank or ``0``.
+
+    Raises:
+        ValueError: any other value (names the variable and what ``1`` does).
+    """
+    raw = os.environ.get(env, "").strip()
     if raw not in ("", "0", "1"):
-        raise ValueError(f"{PROCESSED_LOGPROBS_ENV}={raw!r}: expected 1 (report temperature-scaled log-probs) or 0")
+        raise ValueError(f"{env}={raw!r}: expected 1 ({meaning}) or 0")
     return raw == "1"
 
 
@@ -126,7 +135,4 @@ def refuse_flush() -> bool:
     Raises:
         ValueError: any other value (the message names the variable).
     """
-    raw = os.environ.get(FAULT_REFUSE_FLUSH_ENV, "").strip()
-    if raw not in ("", "0", "1"):
-        raise ValueError(f"{FAULT_REFUSE_FLUSH_ENV}={raw!r}: expected 1 (refuse every cache flush) or 0")
-    return raw == "1"
+    return _on_off(FAULT_REFUSE_FLUSH_ENV, "refuse every cache flush")
