@@ -296,6 +296,9 @@ def _resolve_paths(tree: dict, base: Path) -> None:
         sec, name = key.split(".")
         if isinstance(tree.get(sec), dict) and isinstance(tree[sec].get(name), list):
             tree[sec][name] = [fix(p) for p in tree[sec][name]]
+    turns = tree.get("rollout", {}).get("multi_turn") if isinstance(tree.get("rollout"), dict) else None
+    if isinstance(turns, dict) and "tool_config_path" in turns:  # rollout.multi_turn.tool_config_path
+        turns["tool_config_path"] = fix(turns["tool_config_path"])
 
 
 def config_to_dict(cfg: Config, *, redact: bool = True) -> dict:

@@ -20,6 +20,7 @@ from megatron_rl.algorithms.options import (ADV_ESTIMATOR_SPECS, CONDITIONAL_REM
                                             OLD_LOGPROB_SOURCES, POLICY_LOSS_OPTIONS, ROLLOUT_CORRECTION_OPTIONS,
                                             check_choice, check_positive, option_bases)
 from megatron_rl.config.moe import ExpertOptions
+from megatron_rl.config.multi_turn import RolloutTurns
 from megatron_rl.config.rollout_checks import RolloutChecks
 from megatron_rl.errors import ConfigError
 
@@ -85,7 +86,7 @@ class DataConfig:
 
 
 @dataclass(kw_only=True)
-class RolloutConfig(RolloutChecks):
+class RolloutConfig(RolloutChecks, RolloutTurns):
     backend: str = "embedded"
     """Which servers `megatron-rl train` starts (or, with `server_urls`, which API the given ones
     speak): `embedded` (the project's HF-transformers server speaking SGLang's HTTP API), `sglang`

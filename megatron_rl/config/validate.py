@@ -117,6 +117,24 @@ def _check_packing(cfg: Config) -> None:
         raise ConfigError("actor.sequence_packing: true cannot run with " + "; ".join(problems))
 
 
+def _check_multi_turn(cfg: Config) -> None:
+    """`rollout.multi_turn` against the engines: the tool config file exists; a `code`-format turn
+    stops on a stop string, which SGLang matches only with its tokenizer (warned: without it the
+    turn is cut after the fact, the tokens past the fence generated for nothing)."""
+    mt, r = cfg.rollout.multi_turn, cfg.rollout
+    if not mt.enable:
+        return
+    import os
+
+    if mt.environment == "tool" and not os.path.isfile(str(mt.tool_config_path)):
+        raise ConfigError(f"rollout.multi_turn.tool_config_path: {mt.tool_config_path} is not a file (a YAML file "
+                          "listing the tools, e.g. examples/tools/python_tool.yaml)")
+    if mt.format == "code" and r.backend == "sglang" and r.skip_tokenizer_init:
+        logger.warning("rollout.multi_turn.format=code with rollout.skip_tokenizer_init=true: SGLang matches stop "
+                       "strings only with its tokenizer, so a turn is cut at the closing fence after generating on "
+                       "(to the end-of-turn token or the budget); set rollout.skip_tokenizer_init=false")
+
+
 def validate_config(cfg: Config) -> None:
     """Cross-section static checks (DESIGN.md "Configuration checks"); raise `ConfigError` naming keys."""
     _check_finite(cfg)
@@ -171,6 +189,7 @@ def validate_config(cfg: Config) -> None:
         raise ConfigError("actor.use_kl_loss: true needs actor.kl_loss_coef > 0")
     _check_off_policy(cfg)
     _check_packing(cfg)
+    _check_multi_turn(cfg)
     if cfg.eval.n < 1:
         raise ConfigError("eval.n must be >= 1")
     longest = d.max_prompt_length + d.max_response_length

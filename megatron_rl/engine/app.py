@@ -258,6 +258,10 @@ async def run_requests(state: ServerState, prompts: list[_Prompt], *, raw: bool 
     if any(p.return_routed_experts for p in prompts) and not state.engine.routers.supported:
         raise RequestError({"error": f"return_routed_experts: the model ({type(state.engine.model).__name__}) has no "
                                      "Mixture-of-Experts router"})
+    if any(p.params.stop for p in prompts) and state.engine.decode is None:
+        raise RequestError({"error": f"sampling_params.stop: the model folder {state.model_path} has no tokenizer, "
+                                     "so stop strings cannot be matched; send stop_token_ids, or add the tokenizer "
+                                     "files to the folder"})
     loop = asyncio.get_running_loop()
     futures = []
     reqs = []

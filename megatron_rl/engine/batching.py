@@ -41,7 +41,8 @@ import torch
 
 from megatron_rl.engine.bodies import RequestError
 from megatron_rl.engine.moe import ExpertViews, RouterCapture
-from megatron_rl.engine.sampling import SamplingParams, is_plain, sample_plain_rows, sample_token
+from megatron_rl.engine.sampling import (SamplingParams, is_plain, matched_stop_string, sample_plain_rows,
+                                         sample_token)
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +150,7 @@ class GenerationEngine:
         step_delay_s: float = 0.0,
         context_length: int | None = None,
         processed_logprobs: bool = False,
+        decode: Callable[[list[int]], str] | None = None,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
@@ -162,6 +164,7 @@ class GenerationEngine:
                              f"max_position_embeddings), got {context_length}")
         self.max_context_len = context_length or self.max_context_len
         self.processed_logprobs = processed_logprobs
+        self.decode = decode  # ids -> text (the server's tokenizer) for stop strings; None: refused (app.py)
         self.vocab_size = int(model.config.vocab_size)
         self.model_lock = threading.Lock()
         self._cv = threading.Condition()
@@ -675,6 +678,8 @@ class GenerationEngine:
             req.note_token(self.weight_version)
             if token in self._stop_ids(req):
                 finished.append((req, {"type": "stop", "matched": token}))
+            elif p.stop and (matched := matched_stop_string(req.output_ids, p.stop, self.decode)) is not None:
+                finished.append((req, {"type": "stop", "matched": matched}))
             elif len(req.output_ids) >= p.max_new_tokens:
                 finished.append((req, {"type": "length", "length": p.max_new_tokens}))
             elif len(req.prompt_ids) + len(req.output_ids) >= self.max_context_len:

@@ -65,7 +65,6 @@ _NEUTRAL_ONLY: dict[str, Callable[[Any], bool]] = {
     "frequency_penalty": lambda v: v in (None, 0, 0.0),
     "presence_penalty": lambda v: v in (None, 0, 0.0),
     "repetition_penalty": lambda v: v in (None, 1, 1.0),
-    "stop": lambda v: v in (None, "", []),
     "stop_regex": lambda v: v in (None, "", []),
     "json_schema": lambda v: v is None,
     "regex": lambda v: v is None,
@@ -86,6 +85,8 @@ class _SamplingModel(BaseModel):
     top_k: int = -1
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     stop_token_ids: list[int] | None = None
+    stop: str | list[str] | None = None
+    no_stop_trim: bool = False
     ignore_eos: bool = False
     n: int = Field(1, ge=1, le=1024)
     sampling_seed: int | None = None
@@ -99,7 +100,10 @@ class SamplingParams:
     ``temperature == 0`` is greedy; ``top_k == -1`` is the whole vocabulary; ``stop_token_ids``
     and (unless ``ignore_eos``) the model's EOS ids end a request with
     ``{"type": "stop", "matched": id}``, the id kept in ``output_ids``; until ``min_new_tokens``
-    are out they are masked from sampling.
+    are out they are masked from sampling. ``stop`` strings (SGLang's ``stop``) end a request when
+    the decoded output contains one (``{"type": "stop", "matched": "<the string>"}``), the tokens
+    that completed it kept in ``output_ids`` (token in, token out: the caller sees every token the
+    engine sampled); they need the server's tokenizer (``GenerationEngine(decode=...)``).
     """
 
     max_new_tokens: int = 128
@@ -109,10 +113,23 @@ class SamplingParams:
     top_k: int = -1
     min_p: float = 0.0
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     n: int = 1
     sampling_seed: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
+
+
+def _stop_strings(value: str | list[str] | None) -> tuple[str, ...]:
+    """SGLang's ``stop`` (a string or a list of strings) as a tuple of non-empty strings.
+
+    Raises:
+        RequestError: 400 for an empty string in the list.
+    """
+    items = [value] if isinstance(value, str) else list(value or ())
+    if any(not s for s in items) and items != [""]:
+        raise RequestError({"error": "sampling_params.stop: every stop string must be non-empty"})
+    return tuple(s for s in items if s)
 
 
 def parse_sampling_params(raw: Any) -> SamplingParams:
@@ -156,6 +173,7 @@ def parse_sampling_params(raw: Any) -> SamplingParams:
         top_k=m.top_k,
         min_p=m.min_p,
         stop_token_ids=tuple(m.stop_token_ids or ()),
+        stop=_stop_strings(m.stop),
         ignore_eos=m.ignore_eos,
         n=m.n,
         sampling_seed=m.sampling_seed,
@@ -200,6 +218,17 @@ def sample_token(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator, 
     u = torch.rand((), generator=gen) * cum[-1]
     idx = min(int(torch.searchsorted(cum, u, right=True)), probs.numel() - 1)
     return int(order[idx])
+
+
+def matched_stop_string(output_ids: list[int], stops: tuple[str, ...], decode) -> str | None:
+    """The first of ``stops`` that the decoded output now contains (SGLang checks the decoded tail
+    the same way), or None (also when ``decode`` is None). Only the last ``len(longest stop) + 8``
+    ids are decoded: a match that ends in the newest token lies within them (a token is at least
+    one character), and an earlier match would have ended the request before."""
+    if decode is None or not stops:
+        return None
+    text = decode(output_ids[-(max(len(s) for s in stops) + 8):])
+    return next((s for s in stops if s in text), None)
 
 
 def is_plain(p: SamplingParams) -> bool:

@@ -13,6 +13,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -129,7 +130,6 @@ def _watch_parent(parent_pid: int, interval_s: float = 1.0) -> None:
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Fail in milliseconds, before the model loads: exits 2 with a usage message naming the flag."""
     import socket
-    from pathlib import Path
 
     model = Path(args.model_path)
     if not (model / "config.json").is_file():
@@ -151,6 +151,22 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
             sock.bind((args.host, args.port))
         except OSError as e:
             parser.error(f"--host {args.host} --port {args.port}: cannot bind ({e.strerror})")
+
+
+def _stop_string_decoder(model_path: str):
+    """``ids -> text`` with the model folder's tokenizer (for ``sampling_params.stop``), or None when
+    the folder has none (the server stays ids-in / ids-out and refuses stop strings)."""
+    folder = Path(model_path)
+    if not any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model_path)
+    except Exception as e:  # noqa: BLE001 - an unreadable tokenizer only disables stop strings
+        logger.warning("stop strings disabled: cannot load the tokenizer of %s: %s", model_path, e)
+        return None
+    return lambda ids: tok.decode(ids, skip_special_tokens=False)
 
 
 def _load_model(model_path: str, dtype: str, attn_implementation: str):
@@ -221,6 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         step_delay_s=step_delay_s(),
         context_length=args.context_length,
         processed_logprobs=processed_logprobs(),
+        decode=_stop_string_decoder(args.model_path),
     )
     if args.enable_return_routed_experts and not engine.routers.supported:
         logger.warning("--enable-return-routed-experts: the model (%s) has no Mixture-of-Experts router; no "

@@ -26,7 +26,9 @@ def evaluate(manager, rows: Sequence[PromptRow], *, n: int, temperature: float, 
     Returns:
         dict with `greedy_acc`, `avg@{n}`, `pass@{n}`, `format_valid` (share of sampled responses
         whose verifier found an answer), `num_problems`, `wall_s`, and `by_level` (the same keys per
-        `extra_info.level` when rows carry one).
+        `extra_info.level` when rows carry one). Multi-turn runs (`rollout.multi_turn`) add
+        `tool_calls_per_sample` and `tool_use_rate` (share of sampled responses with a tool call;
+        also per level).
     """
     t0 = time.perf_counter()
     sampling = {"temperature": temperature, "top_p": top_p}
@@ -42,6 +44,11 @@ def evaluate(manager, rows: Sequence[PromptRow], *, n: int, temperature: float, 
         f"pass@{n}": mean_pass_at_k(correct, n),
         "format_valid": avg_at_k(valid),
     }
+    calls = [[(r.episode or {}).get("tool_calls", 0) for r in g] for g in results]
+    episodes = any(r.episode for g in results for r in g)
+    if episodes:  # multi-turn (rollout.multi_turn): how often the model used its tools
+        out["tool_calls_per_sample"] = sum(map(sum, calls)) / max(sum(map(len, calls)), 1)
+        out["tool_use_rate"] = avg_at_k([[c > 0 for c in g] for g in calls])
     greedy_correct = None
     if greedy:
         progress = EvalProgress(f"{tag} greedy", len(rows), 1)
@@ -63,6 +70,8 @@ def evaluate(manager, rows: Sequence[PromptRow], *, n: int, temperature: float, 
                 f"pass@{n}": mean_pass_at_k([correct[i] for i in idx], n),
                 "format_valid": avg_at_k([valid[i] for i in idx]),
             }
+            if episodes:
+                rec["tool_use_rate"] = avg_at_k([[c > 0 for c in calls[i]] for i in idx])
             if greedy_correct is not None:
                 rec["greedy_acc"] = sum(greedy_correct[i] for i in idx) / len(idx)
             by_level[str(level)] = rec

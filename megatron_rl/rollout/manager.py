@@ -44,6 +44,7 @@ from megatron_rl.algorithms.reward_shaping import overlong_penalty
 from megatron_rl.data.dataset import PromptRow
 from megatron_rl.data.prompts import render_prompt_ids
 from megatron_rl.rollout.live import concat_spans, spans_of
+from megatron_rl.rollout.multiturn import Episode, episode_stats, model_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,11 @@ class Sample:
     int16 (`GenerateResult.routed_experts`): row t = the experts each layer routed position t of
     prompt + response to in the engine (each part of a partial rollout as it was generated); None
     when routing was not asked for. Not compared by `==`."""
+    response_mask: list[bool] | None = None
+    """Multi-turn episodes: one bool per response token, True on the model's tokens (trained), False
+    on tool answers and template tokens (rollout log-prob 0.0); None: every token is the model's."""
+    episode: dict = field(default_factory=dict, compare=False)
+    """Multi-turn episodes: turns, tool_calls, tool_errors, tool_s, turn_limit, segments; {} otherwise."""
 
     @property
     def truncated(self) -> bool:
@@ -166,6 +172,8 @@ class RolloutManager:
             (`engine_checks.engine_context_limit`): a prompt whose tokens plus the response budget
             exceed it is refused before it is sent (`ValueError` naming the row); None (default):
             not checked.
+        environment: a `multiturn.Environment` that runs every response as an episode of turns
+            (`rollout.multi_turn`); None (default): one completion a response. Closed by `close`.
     """
 
     def __init__(
@@ -187,6 +195,7 @@ class RolloutManager:
         pause_timeout_s: float = 3600.0,
         routed_experts=None,
         context_limit: tuple[int, str] | None = None,
+        environment=None,
     ) -> None:
         from megatron_rl.rollout.fleet import ServerFleet
 
@@ -208,6 +217,7 @@ class RolloutManager:
         self.routed_experts = routed_experts
         """`RoutedExpertsSpec` of the routing every response carries, or None."""
         self.context_limit = context_limit
+        self.environment = environment
         self.gate = self.fleet.gate
         self._own_aborts: set[str] = set()
         self._own_lock = threading.Lock()
@@ -216,6 +226,8 @@ class RolloutManager:
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.environment is not None:
+            self.environment.close()
 
     def request_routed_experts(self, spec) -> None:
         """From now on ask every engine for the routing of every response and check it against
@@ -295,7 +307,7 @@ class RolloutManager:
         calls the group is one task on the pool (one `/generate` to the server picked for prompt `i`)
         whose results are fanned out to the `n` futures; otherwise one task per response (the server
         picked for response `i * n + j`)."""
-        if n == 1 or not self._batch_calls():
+        if n == 1 or not self._batch_calls() or self.environment is not None:
             return [self._executor.submit(self._generate_one, i * n + j, ids, params[j], rids[j]) for j in range(n)]
         group = self._executor.submit(self.generate_batch_ids, [(ids, p, r) for p, r in zip(params, rids)], i)
         outs: list[Future] = [Future() for _ in range(n)]
@@ -421,7 +433,11 @@ class RolloutManager:
         return out
 
     def _generate_one(self, key: int, ids: list[int], params: dict, rid: str):
-        return self.generate_ids(ids, params, rid, key)
+        if self.environment is None:
+            return self.generate_ids(ids, params, rid, key)
+        episode = Episode(ids, int(params["max_new_tokens"]))  # a multi-turn episode (rollout.multi_turn)
+        self.environment.run(episode, lambda i, p, r: self.generate_ids(i, p, r, key), params, rid)
+        return episode.result()
 
     @staticmethod
     def _continuation(ids: list[int], params: dict, done, attempt: int) -> tuple[list[int], dict]:
@@ -469,7 +485,7 @@ class RolloutManager:
         items = []
         for row, group in zip(rows, results):
             for res in group:
-                text = self.tokenizer.decode(res.output_ids, skip_special_tokens=True)
+                text = self.tokenizer.decode(model_token_ids(res), skip_special_tokens=True)
                 items.append((self.reward_fn, text, row.ground_truth))
         flat = self.reward_pool.map(items)
         for (_, text, _), out in zip(items, flat):
@@ -513,7 +529,8 @@ class RolloutManager:
         t2 = time.perf_counter()
         groups = self._build_groups(rows, [results[i] for i in whole], rewards, tag, whole)
         return groups, {"timing/generate_s": t1 - t0, "timing/reward_s": t2 - t1,
-                        "rollout/failed_groups": len(rows) - len(whole), "rollout/resubmitted": _resubmitted(results)}
+                        "rollout/failed_groups": len(rows) - len(whole), "rollout/resubmitted": _resubmitted(results),
+                        **episode_stats(results)}
 
     def _generate_groups_until(self, rows, *, n, sampling_params, step, gen_batch, stop_after, keep_fn):
         if keep_fn is None or stop_after < 1:
@@ -573,7 +590,8 @@ class RolloutManager:
                         "groups (%.2f s to drain)", kept, len(groups), aborted, len(rows) - len(groups), t1 - aborted_at)
         return groups, {"timing/generate_s": t1 - t0 - reward_s, "timing/reward_s": reward_s,
                         "rollout/aborted": aborted, "rollout/unfinished_groups": len(rows) - len(groups),
-                        "rollout/failed_groups": failed, "rollout/resubmitted": _resubmitted(results)}
+                        "rollout/failed_groups": failed, "rollout/resubmitted": _resubmitted(results),
+                        **episode_stats(results)}
 
     def _build_groups(self, rows, results, rewards, tag: str, indices) -> list[Group]:
         """Groups of the rows at `indices` (uids keep the prompt index in the batch)."""
@@ -612,6 +630,8 @@ class RolloutManager:
                         weight_version_spans=list(res.version_spans),
                         resubmissions=res.resubmissions,
                         routed_experts=res.routed_experts,
+                        response_mask=None if res.response_mask is None else list(res.response_mask),
+                        episode=dict(res.episode or {}),
                     )
                 )
             groups.append(Group(prompt_key=row.prompt_key, group_uid=uid, samples=samples))

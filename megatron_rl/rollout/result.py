@@ -203,6 +203,11 @@ class GenerateResult:
             of prompt + output to, in the engine's order (ALGORITHMS.md section 9); None when not
             asked for (``RoutedExpertsSpec``), or for an abort that came without it (e.g. aborted
             while queued). Not compared by ``==``.
+        response_mask: multi-turn episodes (``rollout.multiturn``): one bool per ``output_ids``
+            entry, True on the model's tokens, False on tokens the environment wrote (tool answers,
+            template); None for a single completion (every token is the model's).
+        episode: multi-turn episodes: ``turns``, ``tool_calls``, ``tool_errors``, ``tool_s``,
+            ``turn_limit`` and ``segments`` (``(kind, start, end)`` over ``output_ids``); else None.
     """
 
     rid: str
@@ -220,6 +225,8 @@ class GenerateResult:
     version_spans: tuple[tuple[int, int], ...] = ()
     resubmissions: int = 0
     routed_experts: np.ndarray | None = field(default=None, compare=False, repr=False)
+    response_mask: tuple[bool, ...] | None = None
+    episode: dict | None = field(default=None, compare=False)
 
     @classmethod
     def from_sglang(

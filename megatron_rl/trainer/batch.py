@@ -286,6 +286,7 @@ def build_train_batch(
     pad_id: int,
     pad_to_multiple_of: int = 1,
     routed_experts: Sequence[Any] | None = None,
+    response_masks: Sequence[Sequence[bool] | None] | None = None,
 ) -> TrainBatch:
     """Pack N (prompt, response) pairs into a right-padded `TrainBatch`.
 
@@ -300,6 +301,9 @@ def build_train_batch(
             the experts the engine routed each of the first T_i positions of prompt + response to
             (T_i <= len(prompt) + len(response); the engine routes every token it processed, so
             usually all but the last). Becomes `TrainBatch.routed_experts` (`RoutedRows`).
+        response_masks: None, or N entries, each None (every response token trained) or one bool
+            per response token: False on tokens the model did not write (a multi-turn episode's
+            tool answers and template tokens), which leave the loss mask.
 
     Raises:
         ValueError: lengths of a response and its log-probs differ, an empty prompt, or routing
@@ -320,12 +324,15 @@ def build_train_batch(
             raise ValueError(f"sequence {i}: empty prompt")
         if len(lp) != len(r):
             raise ValueError(f"sequence {i}: {len(r)} response tokens but {len(lp)} rollout log-probs")
+        rm = None if response_masks is None else response_masks[i]
+        if rm is not None and len(rm) != len(r):
+            raise ValueError(f"sequence {i}: {len(r)} response tokens but a response mask of {len(rm)}")
         seq = list(p) + list(r)
         input_ids[i, : len(seq)] = torch.tensor(seq, dtype=torch.long)
         labels[i, : len(seq) - 1] = torch.tensor(seq[1:], dtype=torch.long)
         if r:
             lo, hi = len(p) - 1, len(p) - 1 + len(r)
-            loss_mask[i, lo:hi] = bool(keep)
+            loss_mask[i, lo:hi] = bool(keep) if rm is None else torch.tensor(list(rm), dtype=torch.bool) & bool(keep)
             rlp[i, lo:hi] = torch.tensor(lp, dtype=torch.float32)
     position_ids = torch.arange(s_len, dtype=torch.long).unsqueeze(0).expand(n, s_len).contiguous()
     routed = None if routed_experts is None else RoutedRows.from_samples(routed_experts, lengths)

@@ -193,6 +193,7 @@ class RolloutProducer:
             trained=trained, pad_id=self.pad_id,
             pad_to_multiple_of=t.tensor_model_parallel_size if t.sequence_parallel else 1,
             routed_experts=sample_routing(samples) if self.routed_experts is not None else None,
+            response_masks=[s.response_mask for s in samples],
         )
         return ProducedStep(batch, samples, kept, ds_stats, daa_stats, st.timings, st.tokens, st.responses,
                             st.checksum, t_adv)
@@ -249,6 +250,8 @@ class RolloutProducer:
             resp_mask = torch.zeros((len(samples), width), dtype=torch.bool)
             for i, s in enumerate(samples):
                 resp_mask[i, : len(s.response_ids)] = not s.failed
+                if s.response_mask is not None:  # a multi-turn episode: the model's tokens only
+                    resp_mask[i, : len(s.response_ids)] &= torch.tensor(s.response_mask, dtype=torch.bool)
         adv = compute_advantages(
             cfg.algorithm.adv_estimator, rewards, uids, valid, response_mask=resp_mask,
             grpo_std=cfg.algorithm.grpo_std, norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,

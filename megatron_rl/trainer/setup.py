@@ -408,6 +408,7 @@ def _connect_controller(run: Run, stack: contextlib.ExitStack, remote_urls=()) -
     from megatron_rl.metrics.writer import MetricsWriter
     from megatron_rl.rewards.pool import RewardPool
     from megatron_rl.rollout.manager import RolloutManager
+    from megatron_rl.rollout.multiturn import build_environment
     from megatron_rl.trainer.producer import RolloutProducer
 
     cfg, r = run.cfg, run.cfg.rollout
@@ -425,6 +426,7 @@ def _connect_controller(run: Run, stack: contextlib.ExitStack, remote_urls=()) -
         overlong=(ob.enable, ob.len, ob.penalty_factor), seed=cfg.trainer.seed,
         max_concurrency=r.max_concurrency, eos_token_ids=sorted(eos), partial_rollout=r.partial_rollout,
         pause_timeout_s=cfg.weight_sync.timeout_s + r.timeout_s, context_limit=context_limit,
+        environment=build_environment(r.multi_turn, run.tokenizer),
     )
     stack.callback(manager.close)
     run.producer = RolloutProducer(cfg, manager, run.dataset, run.tracker, pad_id=run.pad_id, dp_size=run.pgs.dp_size)

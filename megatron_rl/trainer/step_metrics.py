@@ -28,7 +28,7 @@ def token_checksum(tokens) -> int:
 def _sample_metrics(samples, kept, ds_stats: dict, daa_stats: dict) -> dict:
     lengths = [len(s.response_ids) for s in samples]
     n = max(len(samples), 1)
-    return {
+    return _episode_metrics(samples, n) | {
         "train/score": sum(s.score for s in samples) / n,
         "train/acc": sum(s.acc for s in samples) / n,
         "train/format_valid": sum(s.format_valid for s in samples) / n,
@@ -46,6 +46,20 @@ def _sample_metrics(samples, kept, ds_stats: dict, daa_stats: dict) -> dict:
         "train/daa_factor_mean": float(daa_stats.get("factor_mean", 1.0)),
         "train/daa_hard_group_frac": float(daa_stats.get("hard_group_frac", 0.0)),
     }
+
+
+def _episode_metrics(samples, n: int) -> dict:
+    """Multi-turn runs (`rollout.multi_turn`): per trained sample, tool calls, the share with a
+    call, turns, tool errors, the model's own tokens; {} when no sample is an episode."""
+    eps = [s.episode for s in samples if s.episode]
+    if not eps:
+        return {}
+    return {"train/tool_calls_per_sample": sum(e["tool_calls"] for e in eps) / n,
+            "train/tool_use_rate": sum(e["tool_calls"] > 0 for e in eps) / n,
+            "train/tool_errors_per_sample": sum(e["tool_errors"] for e in eps) / n,
+            "train/turns_mean": sum(e["turns"] for e in eps) / n,
+            "response_length/model_tokens_mean": sum(sum(s.response_mask) if s.response_mask is not None
+                                                     else len(s.response_ids) for s in samples) / n}
 
 
 def _update_metrics(history: list[dict]) -> dict:

@@ -23,7 +23,8 @@ Mixture-of-Experts): `actor.router_replay` (false), `trainer.expert_model_parall
 `_resolved`; it must stay the 32B dapo.yaml on the MoE model (`test_moe_dapo_is_dapo_on_qwen3_30b_a3b`).
 And `examples/tiny/moe-dapo.yaml`, recorded with `_resolved`; it must stay the tiny dapo.yaml on the
 tiny MoE model with replay (`test_tiny_moe_dapo_is_dapo_on_the_moe_model_with_replay`). New since (issue 32):
-`rollout.check_logprob_semantics` (true: the engines' log-probs are checked before step 1)."""
+`rollout.check_logprob_semantics` (true: the engines' log-probs are checked before step 1). New since
+(issue 31): the `rollout.multi_turn` section (off by default)."""
 
 import json
 from pathlib import Path

@@ -1,0 +1,235 @@
+"""Multi-turn episodes (issue 31): token in / token out, loss masks, spans, limits, tool errors.
+
+The engine's side of each turn is scripted here (`ScriptedEngine` plays back the token ids a turn
+returns and records every request), so the expected sequences, masks and spans can be written by
+hand; the tools are real (the sandboxed python tool). The same loop against a real server with a
+model that learned the tool is in tests/e2e/test_multiturn_live.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_rl.config.multi_turn import MultiTurnConfig
+from megatron_rl.data.prompts import render_prompt_ids
+from megatron_rl.errors import ConfigError
+from megatron_rl.rollout.multiturn import (CODE_STOP, Episode, ToolEnvironment, _cut_at_stop, episode_stats,
+                                           model_token_ids, tool_answer_text, truncate_text)
+from megatron_rl.rollout.result import GenerateResult
+from megatron_rl.tools.base import Tool, ToolResult
+from megatron_rl.tools.python_sandbox import PythonTool
+from megatron_rl.tools.sandbox import SandboxError
+from megatron_rl.trainer.batch import build_train_batch
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = ROOT / "examples" / "tiny" / "base_model"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(MODEL)
+
+
+@pytest.fixture(scope="module")
+def python_tool():
+    if not hasattr(os, "unshare"):
+        pytest.skip("Linux only")
+    try:
+        t = PythonTool(pool_size=2, wall_timeout_s=3, cpu_time_s=2, memory_mib=512, max_output_bytes=256)
+    except SandboxError as e:
+        pytest.skip(f"no sandbox on this machine: {e}")
+    yield t
+    t.close()
+
+
+def enc(tok, text: str) -> list[int]:
+    return tok.encode(text, add_special_tokens=False)
+
+
+class ScriptedEngine:
+    """Plays back one turn's output per call (`(ids, stop_reason, version)` each) and records each
+    request: `(input ids, sampling params, rid)`. Log-probs are -(index + 1) / 100 within a turn."""
+
+    def __init__(self, turns):
+        self.turns = list(turns)
+        self.requests = []
+
+    def __call__(self, ids, params, rid):
+        self.requests.append((list(ids), dict(params), rid))
+        out, reason, version = self.turns.pop(0)
+        out = out[: params["max_new_tokens"]]
+        finish = {"length": "length", "abort": "abort"}.get(reason, "stop")
+        return GenerateResult(rid=rid, output_ids=list(out), output_logprobs=[-(k + 1) / 100 for k in range(len(out))],
+                              finish_type=finish, matched_stop=None, stop_reason=reason, prompt_tokens=len(ids),
+                              completion_tokens=len(out), weight_version=str(version), version_spans=((version, 0),))
+
+
+def _env(tok, tools, **cfg):
+    return ToolEnvironment(MultiTurnConfig(enable=True, tool_config_path="unused.yaml", **cfg), tok, tools=tools)
+
+
+def _prompt(tok):
+    return render_prompt_ids(tok, [{"role": "user", "content": "What is 7*8+6*4-3?"}])
+
+
+def test_code_episode_tokens_mask_spans_by_hand(tok, python_tool):
+    """One tool call, hand-checked: the trained sequence is prompt + turn 1 + the tool's answer +
+    turn 2, exactly the engine's requests; the mask is 0 exactly on the answer; turn 2 was sampled
+    under a newer weight version (a weight update between the turns) and its span starts there."""
+    eos = tok.eos_token_id
+    t1 = enc(tok, "```python\nprint(7*8+6*4-3)\n```\n")
+    answer = enc(tok, "```output\n77\n```\n")
+    t2 = enc(tok, "Answer: 77") + [eos]
+    engine = ScriptedEngine([(t1, "stop_string", 3), (t2, "eos", 4)])
+    prompt = _prompt(tok)
+    ep = Episode(prompt, 96)
+    _env(tok, {"python": python_tool}).run(ep, engine, {"temperature": 1.0, "sampling_seed": 11, "max_new_tokens": 96},
+                                           "s1-b0-p0-r0")
+    res = ep.result()
+    assert res.output_ids == t1 + answer + t2
+    assert list(res.response_mask) == [True] * len(t1) + [False] * len(answer) + [True] * len(t2)
+    assert res.output_logprobs == [-(k + 1) / 100 for k in range(len(t1))] + [0.0] * len(answer) + \
+        [-(k + 1) / 100 for k in range(len(t2))]
+    # token in, token out: each request is exactly everything before it
+    assert [r[0] for r in engine.requests] == [prompt, prompt + t1 + answer]
+    assert [r[2] for r in engine.requests] == ["s1-b0-p0-r0", "s1-b0-p0-r0-t1"]
+    assert engine.requests[0][1]["stop"] == [CODE_STOP] and engine.requests[0][1]["max_new_tokens"] == 96
+    assert engine.requests[1][1]["max_new_tokens"] == 96 - len(t1) - len(answer)
+    assert engine.requests[1][1]["sampling_seed"] != 11  # a fresh stream for turn 2
+    assert res.version_spans == ((3, 0), (4, len(t1) + len(answer)))
+    assert res.stop_reason == "eos" and res.finish_type == "stop"
+    assert res.episode["segments"] == [("model", 0, len(t1)), ("env", len(t1), len(t1) + len(answer)),
+                                       ("model", len(t1) + len(answer), len(t1) + len(answer) + len(t2))]
+    assert (res.episode["turns"], res.episode["tool_calls"], res.episode["tool_errors"]) == (2, 1, 0)
+    # the verifier reads the model's tokens only: the tool's "77" is not among them
+    assert tok.decode(model_token_ids(res), skip_special_tokens=True) == "```python\nprint(7*8+6*4-3)\n```\nAnswer: 77"
+    # the trainer's loss mask: prompt positions never; positions predicting the answer's tokens never
+    b = build_train_batch([prompt], [res.output_ids], advantages=[1.0], rollout_logprobs=[res.output_logprobs],
+                          trained=[True], pad_id=tok.pad_token_id, response_masks=[res.response_mask])
+    p = len(prompt)
+    want = torch.zeros(b.loss_mask.shape[1], dtype=torch.bool)
+    want[p - 1: p - 1 + len(t1)] = True
+    want[p - 1 + len(t1) + len(answer): p - 1 + len(t1) + len(answer) + len(t2)] = True
+    assert torch.equal(b.loss_mask[0], want)
+    assert torch.equal(b.labels[0, p - 1: p - 1 + len(res.output_ids)], torch.tensor(res.output_ids))
+
+
+class Echo(Tool):
+    name = "echo"
+    parameters = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+
+    def call(self, arguments):
+        return ToolResult(ok=True, output=arguments["text"])
+
+
+def test_hermes_errors_reach_the_model(tok):
+    """Malformed JSON, an unknown tool, a missing argument and a call over max_parallel_calls each come
+    back as `Error: <reason>` in the tool answer (one <tool_response> each, in order)."""
+    eos = tok.eos_token_id
+    calls = ('<tool_call>{"name": "echo", "arguments": {"text": "hi"}}</tool_call>'
+             '<tool_call>{"name": "echo", "arguments": </tool_call>'
+             '<tool_call>{"name": "pyhton", "arguments": {"code": "1"}}</tool_call>'
+             '<tool_call>{"name": "echo", "arguments": {}}</tool_call>'
+             '<tool_call>{"name": "echo", "arguments": {"text": "5th"}}</tool_call>')
+    t1 = enc(tok, calls) + [eos]
+    t2 = enc(tok, "Answer: 1") + [eos]
+    engine = ScriptedEngine([(t1, "eos", 0), (t2, "eos", 0)])
+    ep = Episode([1, 5, 6], 1000)
+    _env(tok, {"echo": Echo()}, format="hermes", max_parallel_calls=4, max_tool_response_length=1000).run(
+        ep, engine, {"max_new_tokens": 1000}, "r")
+    res = ep.result()
+    env_start, env_end = res.episode["segments"][1][1:]
+    text = tok.decode(res.output_ids[env_start:env_end], skip_special_tokens=False)
+    answers = text.split("<tool_response>\n")[1:]
+    assert answers[0].startswith("hi\n</tool_response>")
+    assert "Error: malformed tool call: invalid JSON" in answers[1]
+    assert "Error: unknown tool 'pyhton'; available tools: echo" in answers[2]
+    assert "Error: tool 'echo' is missing required argument(s) ['text']" in answers[3]
+    assert "Error: only 4 tool call(s) run per turn (rollout.multi_turn.max_parallel_calls)" in answers[4]
+    assert text.startswith("\n<|im_start|>user\n<tool_response>") and text.endswith("<|im_end|>\n<|im_start|>assistant\n")
+    assert res.episode["tool_calls"] == 3 and res.episode["tool_errors"] == 4  # parse errors never run
+    assert engine.requests[1][1].get("stop") is None  # hermes turns end at the end-of-turn token
+
+
+def test_timeout_and_tool_call_limit(tok, python_tool):
+    """A program that sleeps past the wall-clock limit comes back as a tool error; a call past
+    max_tool_calls is answered with the limit, not run; the model still gets its turn."""
+    t1 = enc(tok, "```python\nimport time\ntime.sleep(30)\n```\n")
+    t2 = enc(tok, "```python\nprint(1)\n```\n")
+    t3 = enc(tok, "Answer: 1") + [tok.eos_token_id]
+    engine = ScriptedEngine([(t1, "stop_string", 0), (t2, "stop_string", 0), (t3, "eos", 0)])
+    ep = Episode([1, 5], 400)
+    _env(tok, {"python": python_tool}, max_tool_calls=1).run(ep, engine, {"max_new_tokens": 400}, "r")
+    res = ep.result()
+    seg = res.episode["segments"]
+    first = tok.decode(res.output_ids[seg[1][1]:seg[1][2]])
+    second = tok.decode(res.output_ids[seg[3][1]:seg[3][2]])
+    assert first.startswith("```output\n") and "Error:" in first and "time" in first.lower()
+    assert "Error: tool call limit reached (1 per episode" in second
+    assert res.episode["tool_calls"] == 1 and res.episode["turns"] == 3
+
+
+def test_turn_limit_and_budget(tok, python_tool):
+    """A call in the last allowed turn ends the episode without running (turn_limit counted); a tool
+    answer that does not fit the response budget ends the episode as `length`, not appended."""
+    call = enc(tok, "```python\nprint(1)\n```\n")
+    engine = ScriptedEngine([(call, "stop_string", 0), (call, "stop_string", 0)])
+    ep = Episode([1, 5], 400)
+    _env(tok, {"python": python_tool}, max_assistant_turns=2).run(ep, engine, {"max_new_tokens": 400}, "r")
+    res = ep.result()
+    assert res.episode["turn_limit"] == 1 and res.episode["tool_calls"] == 1 and len(engine.requests) == 2
+    assert [k for k, _, _ in res.episode["segments"]] == ["model", "env", "model"]
+    engine = ScriptedEngine([(call, "stop_string", 0)])
+    ep = Episode([1, 5], len(call) + 3)  # the answer block is longer than 3 tokens
+    _env(tok, {"python": python_tool}).run(ep, engine, {"max_new_tokens": len(call) + 3}, "r")
+    res = ep.result()
+    assert res.output_ids == call and res.stop_reason == "length" and res.finish_type == "length"
+    assert episode_stats([[res]])["rollout/tool_calls"] == 1
+
+
+def test_engine_past_the_stop_string_is_cut(tok):
+    """An engine that ignores stop strings (SGLang with --skip-tokenizer-init) generates past the
+    closing fence: the turn is cut after the shortest token prefix holding CODE_STOP, with its
+    log-probs and spans."""
+    t = enc(tok, "```python\nprint(2)\n```\n```output\n5\n```\nAnswer: 5") + [tok.eos_token_id]
+    res = ScriptedEngine([(t, "eos", 2)])([1, 2], {"max_new_tokens": 99}, "r")
+    cut = _cut_at_stop(res, tok, CODE_STOP)
+    assert tok.decode(cut.output_ids) == "```python\nprint(2)\n```\n"
+    assert cut.output_ids == t[: len(cut.output_ids)] and len(cut.output_logprobs) == len(cut.output_ids)
+    assert cut.stop_reason == "stop_string" and cut.matched_stop == CODE_STOP
+    assert _cut_at_stop(cut, tok, CODE_STOP) is cut  # already ends there
+
+
+def test_truncate_and_answer_text():
+    assert truncate_text("abcdefghij", 4, "right") == "abcd...(truncated)..."
+    assert truncate_text("abcdefghij", 4, "left") == "...(truncated)...ghij"
+    assert truncate_text("abcdefghij", 4, "middle") == "ab...(truncated)...ij"
+    assert truncate_text("abc", 4, "middle") == "abc"
+    assert tool_answer_text(["77", "Error: x"], "code") == "```output\n77\n```\n```output\nError: x\n```\n"
+
+
+def test_config_keys():
+    from megatron_rl.config import multi_turn
+    from megatron_rl.tools import parsing
+
+    assert multi_turn.FORMATS == parsing.FORMATS
+    with pytest.raises(ConfigError, match="tool_config_path"):
+        MultiTurnConfig(enable=True)
+    with pytest.raises(ConfigError, match="rollout.multi_turn.format"):
+        MultiTurnConfig(format="xml")
+    with pytest.raises(ConfigError, match="max_assistant_turns"):
+        MultiTurnConfig(max_assistant_turns=0)
+
+
+def test_batch_refuses_a_mask_of_another_length():
+    with pytest.raises(ValueError, match="sequence 0: 2 response tokens but a response mask of 1"):
+        build_train_batch([[1]], [[2, 3]], advantages=[0.0], rollout_logprobs=[[0.0, 0.0]], trained=[True],
+                          pad_id=0, response_masks=[[True]])
+    dataclasses.is_dataclass(Episode)  # Episode is a plain class: nothing to compare
