@@ -43,31 +43,36 @@ def _strip_double_bos(tokenizer: Any, ids: list[int]) -> list[int]:
     return ids
 
 
-def render_ids(tokenizer: Any, messages: Sequence[Message], *, add_generation_prompt: bool) -> list[int]:
+def render_ids(tokenizer: Any, messages: Sequence[Message], *, add_generation_prompt: bool,
+               tools: Sequence[dict] | None = None) -> list[int]:
     """`apply_chat_template(messages, tokenize=True)` as a plain list of ints, with one BOS at most.
 
     Args:
         tokenizer: a Hugging Face tokenizer with a chat template.
         messages: chat messages ({"role", "content", ...}).
         add_generation_prompt: append the assistant header.
+        tools: OpenAI function schemas passed to the template as `tools=` (Qwen2.5's template lists
+            them in the system turn); None: no tools.
     Raises:
         ValueError: the tokenizer has no chat template, or the template returned several sequences.
     """
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"tokenizer {type(tokenizer).__name__} has no chat_template")
+    kw = {} if tools is None else {"tools": [dict(t) for t in tools]}
     out = tokenizer.apply_chat_template(
-        [dict(m) for m in messages], add_generation_prompt=add_generation_prompt, tokenize=True
+        [dict(m) for m in messages], add_generation_prompt=add_generation_prompt, tokenize=True, **kw
     )
     return _strip_double_bos(tokenizer, _as_id_list(out))
 
 
-def render_prompt_ids(tokenizer: Any, messages: Sequence[Message]) -> list[int]:
-    """Token ids of the rollout prompt: the chat template with the generation prompt.
+def render_prompt_ids(tokenizer: Any, messages: Sequence[Message], tools: Sequence[dict] | None = None) -> list[int]:
+    """Token ids of the rollout prompt: the chat template with the generation prompt (and `tools`,
+    the function schemas of a multi-turn run's `hermes` tools, when given).
 
     Exactly `apply_chat_template(messages, add_generation_prompt=True, tokenize=True)` as a
     `list[int]` (transformers 5 returns a BatchEncoding; handled). No second BOS is ever added.
     """
-    return render_ids(tokenizer, messages, add_generation_prompt=True)
+    return render_ids(tokenizer, messages, add_generation_prompt=True, tools=tools)
 
 
 def end_of_turn_ids(tokenizer: Any) -> set[int]:

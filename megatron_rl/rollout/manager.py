@@ -242,7 +242,8 @@ class RolloutManager:
         """
         ids = self._prompt_cache.get(row.prompt_key)
         if ids is None:
-            ids = render_prompt_ids(self.tokenizer, row.messages)
+            tools = None if self.environment is None else self.environment.chat_tools()
+            ids = render_prompt_ids(self.tokenizer, row.messages, tools)
             if len(ids) > self.max_prompt_length:
                 raise ValueError(
                     f"prompt of {row.origin or row.prompt_key} has {len(ids)} tokens > data.max_prompt_length "

@@ -46,7 +46,7 @@ from megatron_rl.rollout.live import concat_spans
 logger = logging.getLogger(__name__)
 
 __all__ = ["CODE_STOP", "ENVIRONMENTS", "Environment", "Episode", "ToolEnvironment", "build_environment",
-           "episode_stats", "model_token_ids", "tool_answer_text", "truncate_text"]
+           "episode_stats", "max_overlap", "model_token_ids", "tool_answer_text", "truncate_text"]
 
 ENVIRONMENTS: Registry[type] = Registry("environment")
 """Environments by name (`rollout.multi_turn.environment`); a user adds one in one file with
@@ -86,6 +86,7 @@ class Episode:
         self.stop_reason: str | None = None
         self.turns = self.tool_calls = self.tool_errors = self.resubmissions = 0
         self.tool_s = 0.0
+        self.tool_windows: list[tuple[float, float]] = []
         self.turn_limit_hit = False
 
     def context(self) -> list[int]:
@@ -154,6 +155,7 @@ class Episode:
             response_mask=tuple(self.mask),
             episode={"turns": self.turns, "tool_calls": self.tool_calls, "tool_errors": self.tool_errors,
                      "tool_s": self.tool_s, "turn_limit": int(self.turn_limit_hit),
+                     "tool_windows": list(self.tool_windows),
                      "segments": list(self.segments)})
 
 
@@ -179,6 +181,10 @@ class Environment(ABC):
     def close(self) -> None:
         """Release the environment's resources (tools, sandboxes). Calling it twice is harmless."""
 
+    def chat_tools(self) -> list[dict] | None:
+        """Function schemas the chat template renders into every prompt (`tools=`), or None."""
+        return None
+
 
 def turn_params(params: dict, turn: int, episode: Episode, stop: Sequence[str] = ()) -> dict:
     """Sampling params of turn `turn` (0-based): the remaining budget, the sample's seed for turn 0
@@ -188,7 +194,8 @@ def turn_params(params: dict, turn: int, episode: Episode, stop: Sequence[str] =
     p = dict(params, max_new_tokens=episode.remaining())
     if turn and params.get("sampling_seed") is not None:
         p["sampling_seed"] = derive_seed(params["sampling_seed"], "turn", turn)
-    if stop:
+    if stop:  # no_stop_trim: the engines keep the stop string's text (vLLM's include_stop_str_in_output)
+        p["no_stop_trim"] = True
         given = params.get("stop") or []
         p["stop"] = list(dict.fromkeys(([given] if isinstance(given, str) else list(given)) + list(stop)))
     return p
@@ -305,6 +312,7 @@ class ToolEnvironment(Environment):
             for k, out in zip(runnable, run_tool_calls([calls[k] for k in runnable], self.tools)):
                 answers[k] = out
             episode.tool_s += time.perf_counter() - t0
+            episode.tool_windows.append((t0, time.perf_counter()))
             episode.tool_calls += len(runnable)
             episode.tool_errors += sum(1 for a in answers if not a.ok)
             messages = [truncate_text(a.to_message().rstrip(), cfg.max_tool_response_length,
@@ -316,6 +324,11 @@ class ToolEnvironment(Environment):
     def close(self) -> None:
         for tool in self.tools.values():
             tool.close()
+
+    def chat_tools(self) -> list[dict] | None:
+        """`hermes`: every tool's function schema (Qwen2.5's template lists them in the system turn and
+        asks for <tool_call> JSON); `code`: None (the prompt or the model's training says how to call)."""
+        return [t.schema() for t in self.tools.values()] if self.cfg.format == "hermes" else None
 
 
 def build_environment(cfg, tokenizer) -> Environment | None:
@@ -340,12 +353,24 @@ def model_token_ids(res) -> list[int]:
 
 def episode_stats(results: Sequence[Sequence[Any]]) -> dict[str, float]:
     """Sums over [P][n] results (None: never finished) of their episodes: `rollout/episodes`,
-    `rollout/turns`, `rollout/tool_calls`, `rollout/tool_errors`, `rollout/turn_limit`, `timing/tool_s`;
-    {} when none is an episode."""
+    `rollout/turns`, `rollout/tool_calls`, `rollout/tool_errors`, `rollout/turn_limit`, `timing/tool_s`,
+    and `rollout/tool_concurrency_max`: the most tool runs of different samples in progress at one
+    time (`perf_counter` windows); {} when none is an episode."""
     eps = [r.episode for grp in results for r in grp if r is not None and getattr(r, "episode", None)]
     if not eps:
         return {}
     return {"rollout/episodes": len(eps), "rollout/turns": sum(e["turns"] for e in eps),
             "rollout/tool_calls": sum(e["tool_calls"] for e in eps),
             "rollout/tool_errors": sum(e["tool_errors"] for e in eps),
-            "rollout/turn_limit": sum(e["turn_limit"] for e in eps), "timing/tool_s": sum(e["tool_s"] for e in eps)}
+            "rollout/turn_limit": sum(e["turn_limit"] for e in eps), "timing/tool_s": sum(e["tool_s"] for e in eps),
+            "rollout/tool_concurrency_max": max_overlap([w for e in eps for w in e.get("tool_windows", ())])}
+
+
+def max_overlap(windows: Sequence[tuple[float, float]]) -> int:
+    """The largest number of `(start, end)` windows open at one instant (an end before a start at a tie)."""
+    events = sorted([(a, 1) for a, _ in windows] + [(b, -1) for _, b in windows], key=lambda e: (e[0], e[1]))
+    best = cur = 0
+    for _, d in events:
+        cur += d
+        best = max(best, cur)
+    return best

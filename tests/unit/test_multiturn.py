@@ -233,3 +233,36 @@ def test_batch_refuses_a_mask_of_another_length():
         build_train_batch([[1]], [[2, 3]], advantages=[0.0], rollout_logprobs=[[0.0, 0.0]], trained=[True],
                           pad_id=0, response_masks=[[True]])
     dataclasses.is_dataclass(Episode)  # Episode is a plain class: nothing to compare
+
+
+def test_hermes_on_qwen25_template():
+    """With Qwen2.5's own tokenizer and template: the prompt lists the tool (`tools=`), and what the
+    environment appends after an assistant turn that called a tool is exactly what the template
+    renders between that turn's <|im_end|> and the next assistant header for a `tool` message."""
+    from shared_data import SHARED_DATA
+    from transformers import AutoTokenizer
+
+    qwen = SHARED_DATA / "qwen2.5-tokenizer"
+    if not qwen.is_dir():
+        pytest.skip(f"no Qwen2.5 tokenizer at {qwen}")
+    tok = AutoTokenizer.from_pretrained(qwen)
+    schema = Echo().schema()
+    prompt = render_prompt_ids(tok, [{"role": "user", "content": "say hi"}], tools=[schema])
+    text = tok.decode(prompt)
+    assert "<tools>" in text and '"name": "echo"' in text
+    call = '<tool_call>\n{"name": "echo", "arguments": {"text": "hi"}}\n</tool_call>'
+    msgs = [{"role": "user", "content": "say hi"}, {"role": "assistant", "content": call},
+            {"role": "tool", "content": "hi"}]
+    full = tok.apply_chat_template(msgs, tools=[schema], add_generation_prompt=True, tokenize=False)
+    before = tok.apply_chat_template(msgs[:2], tools=[schema], add_generation_prompt=False, tokenize=False)
+    assert before.endswith("<|im_end|>\n")
+    template_part = "\n" + full[len(before):]  # the newline after <|im_end|> is the template's too
+    assert tool_answer_text(["hi"], "hermes") == template_part
+
+
+def test_max_overlap():
+    from megatron_rl.rollout.multiturn import max_overlap
+
+    assert max_overlap([]) == 0
+    assert max_overlap([(0, 1), (1, 2)]) == 1  # one ends as the next starts
+    assert max_overlap([(0, 3), (1, 2), (1.5, 4), (3.5, 5)]) == 3
