@@ -87,6 +87,7 @@ class Episode:
         self.turns = self.tool_calls = self.tool_errors = self.resubmissions = 0
         self.tool_s = 0.0
         self.tool_windows: list[tuple[float, float]] = []
+        self.started = time.perf_counter()
         self.turn_limit_hit = False
 
     def context(self) -> list[int]:
@@ -155,7 +156,7 @@ class Episode:
             response_mask=tuple(self.mask),
             episode={"turns": self.turns, "tool_calls": self.tool_calls, "tool_errors": self.tool_errors,
                      "tool_s": self.tool_s, "turn_limit": int(self.turn_limit_hit),
-                     "tool_windows": list(self.tool_windows),
+                     "tool_windows": list(self.tool_windows), "episode_s": time.perf_counter() - self.started,
                      "segments": list(self.segments)})
 
 
@@ -354,6 +355,8 @@ def model_token_ids(res) -> list[int]:
 def episode_stats(results: Sequence[Sequence[Any]]) -> dict[str, float]:
     """Sums over [P][n] results (None: never finished) of their episodes: `rollout/episodes`,
     `rollout/turns`, `rollout/tool_calls`, `rollout/tool_errors`, `rollout/turn_limit`, `timing/tool_s`,
+    `timing/episode_s` (seconds summed over episodes, so `timing/tool_s / timing/episode_s` is the
+    share of an episode's time spent in tools),
     and `rollout/tool_concurrency_max`: the most tool runs of different samples in progress at one
     time (`perf_counter` windows); {} when none is an episode."""
     eps = [r.episode for grp in results for r in grp if r is not None and getattr(r, "episode", None)]
@@ -363,6 +366,7 @@ def episode_stats(results: Sequence[Sequence[Any]]) -> dict[str, float]:
             "rollout/tool_calls": sum(e["tool_calls"] for e in eps),
             "rollout/tool_errors": sum(e["tool_errors"] for e in eps),
             "rollout/turn_limit": sum(e["turn_limit"] for e in eps), "timing/tool_s": sum(e["tool_s"] for e in eps),
+            "timing/episode_s": sum(e.get("episode_s", 0.0) for e in eps),
             "rollout/tool_concurrency_max": max_overlap([w for e in eps for w in e.get("tool_windows", ())])}
 
 

@@ -221,8 +221,8 @@ class RolloutProducer:
             rows = self.dataset.next_batch(cfg.data.gen_batch_size or cfg.data.train_batch_size)
             groups, tm = self.manager.generate_groups(rows, n=cfg.rollout.n, sampling_params=self.sampling,
                                                       step=st.step, gen_batch=batch_idx)
-        for k, v in tm.items():
-            st.timings[k] = st.timings.get(k, 0) + v
+        for k, v in tm.items():  # sums over generation batches; a `_max` is the largest
+            st.timings[k] = max(st.timings.get(k, 0), v) if k.endswith("_max") else st.timings.get(k, 0) + v
         return groups
 
     def _record(self, st: _StepState, g) -> None:
