@@ -258,6 +258,12 @@ def _eval(argv: list[str]) -> int:
     parser.add_argument("--max-concurrency", type=int, default=256,
                         help="requests in flight (default 256, as rollout.max_concurrency in training)")
     parser.add_argument("--server-arg", action="append", default=[], help="extra flag for the embedded server, e.g. --server-arg=--enable-deterministic-inference")
+    parser.add_argument("--tool-config", default=None,
+                        help="multi-turn with tools: a tool config YAML (rollout.multi_turn.tool_config_path, e.g. "
+                             "examples/tools/python_tool.yaml); every sample becomes an episode (docs/MULTITURN.md)")
+    parser.add_argument("--tool-format", default="code", choices=["code", "hermes"],
+                        help="with --tool-config: how the model calls tools (rollout.multi_turn.format)")
+    parser.add_argument("--max-assistant-turns", type=int, default=4, help="with --tool-config: turns an episode may take")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # the embedded server's idle OpenMP threads sleep
 
@@ -266,7 +272,7 @@ def _eval(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     from megatron_rl.eval.benchmark import EvalSettings, format_table, run_eval
-    from megatron_rl.errors import RolloutServerError
+    from megatron_rl.errors import ConfigError, RolloutServerError
 
     settings = EvalSettings(n=args.n, temperature=args.temperature, top_p=args.top_p,
                             max_new_tokens=args.max_new_tokens, seed=args.seed, verifier=args.verifier,
@@ -276,13 +282,27 @@ def _eval(argv: list[str]) -> int:
                            server_url=args.server_url, tokenizer_path=args.tokenizer, data_dir=args.data_dir,
                            settings=settings, num_reward_workers=args.reward_workers,
                            server_args=[a for x in args.server_arg for a in x.split()],
-                           max_concurrency=args.max_concurrency)
-    except (ValueError, FileNotFoundError, KeyError, RolloutServerError) as e:
+                           max_concurrency=args.max_concurrency, multi_turn=_eval_multi_turn(args))
+    except (ValueError, FileNotFoundError, KeyError, RolloutServerError, ConfigError) as e:
         print(f"megatron-rl eval: error: {e}", file=sys.stderr)
         return 1
     print(format_table(results))
     print(f"results: {args.out}/results.json")
     return 0
+
+
+def _eval_multi_turn(args):
+    """The `MultiTurnConfig` of `megatron-rl eval --tool-config ...`, or None without tools.
+
+    Raises:
+        ConfigError: a bad value (names the rollout.multi_turn key).
+    """
+    if args.tool_config is None:
+        return None
+    from megatron_rl.config.multi_turn import MultiTurnConfig
+
+    return MultiTurnConfig(enable=True, tool_config_path=args.tool_config, format=args.tool_format,
+                           max_assistant_turns=args.max_assistant_turns)
 
 
 def _report(argv: list[str]) -> int:

@@ -210,7 +210,10 @@ def evaluate_datasets(manager, pool, tokenizer, datasets: Sequence[tuple[str, li
                                max_new_tokens=settings.max_new_tokens)
         t1 = time.perf_counter()
         verifiers = [settings.verifier or verifier_for_source(r.data_source) for r in rows]
-        texts = [[tokenizer.decode(res.output_ids, skip_special_tokens=True) for res in g] for g in gen]
+        from megatron_rl.rollout.multiturn import model_token_ids
+
+        # the verifier reads the model's own tokens (a tool's output is never scored as the answer)
+        texts = [[tokenizer.decode(model_token_ids(res), skip_special_tokens=True) for res in g] for g in gen]
         flat = pool.map([(v, t, row.ground_truth) for v, row, g in zip(verifiers, rows, texts) for t in g])
         n = settings.n
         rewards = [flat[i * n : (i + 1) * n] for i in range(len(rows))]
@@ -260,7 +263,7 @@ def run_eval(*, datasets: Sequence[str], out_dir: str | os.PathLike, checkpoint:
              server_url: Optional[str] = None, tokenizer_path: Optional[str] = None,
              data_dir: Optional[str] = None, settings: Optional[EvalSettings] = None,
              num_reward_workers: int = 2, reward_timeout_s: float = 30.0, server_args: Sequence[str] = (),
-             startup_timeout_s: float = 300.0, max_concurrency: int = 256) -> dict:
+             startup_timeout_s: float = 300.0, max_concurrency: int = 256, multi_turn=None) -> dict:
     """`megatron-rl eval`: evaluate a checkpoint or a running server on datasets.
 
     Args:
@@ -275,6 +278,8 @@ def run_eval(*, datasets: Sequence[str], out_dir: str | os.PathLike, checkpoint:
         server_args: extra flags for the embedded server (e.g. `--dtype float32`).
         max_concurrency: requests in flight (as `rollout.max_concurrency` in training): the servers
             batch what is in flight, so fewer means smaller decode batches and a slower evaluation.
+        multi_turn: a `MultiTurnConfig` (`megatron-rl eval --tool-config`): every sample an episode
+            with tools (docs/MULTITURN.md); None: one completion a sample.
 
     Returns:
         The results dict (also in `<out_dir>/results.json`).
@@ -345,9 +350,13 @@ def run_eval(*, datasets: Sequence[str], out_dir: str | os.PathLike, checkpoint:
         eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         from megatron_rl.rollout.engine_checks import engine_context_limit
 
+        from megatron_rl.rollout.multiturn import build_environment
+
+        environment = None if multi_turn is None else build_environment(multi_turn, tokenizer)
         manager = RolloutManager([client], tokenizer, pool, reward_fn="math_auto", max_prompt_length=1 << 30,
                                  max_response_length=settings.max_new_tokens, seed=settings.seed,
                                  max_concurrency=max_concurrency, eos_token_ids=eos,
-                                 context_limit=engine_context_limit([client]))  # refused, not cut, when too long
+                                 context_limit=engine_context_limit([client]),  # refused, not cut, when too long
+                                 environment=environment)
         stack.callback(manager.close)
         return evaluate_datasets(manager, pool, tokenizer, loaded, settings, out)
