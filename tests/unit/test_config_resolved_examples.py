@@ -106,3 +106,15 @@ def test_tiny_moe_dapo_is_dapo_on_the_moe_model_with_replay():
     moe = _flat(_resolved("examples/tiny/moe-dapo.yaml", []))
     assert {k for k in dense if dense[k] != moe[k]} == {"run_dir", "model.path", "actor.router_replay"}
     assert moe["actor.router_replay"] is True and moe["model.path"].endswith("examples/tiny/moe_base_model")
+
+
+def test_tool_dapo_7b_is_dapo_colocate_with_tools():
+    """examples/qwen2.5-7b/tool-dapo.yaml (issue 31) is dapo-colocate.yaml with multi-turn tool
+    episodes; SGLang keeps its tokenizer to match the code format's stop string."""
+    base = _flat(_resolved("examples/qwen2.5-7b/dapo-colocate.yaml", []))
+    tool = _flat(_resolved("examples/qwen2.5-7b/tool-dapo.yaml", []))
+    assert {k for k in base if base[k] != tool[k]} == {
+        "run_dir", "rollout.skip_tokenizer_init", "rollout.multi_turn.enable", "rollout.multi_turn.max_assistant_turns",
+        "rollout.multi_turn.max_tool_calls", "rollout.multi_turn.max_tool_response_length",
+        "rollout.multi_turn.tool_config_path"}
+    assert tool["rollout.multi_turn.tool_config_path"] == "$ROOT/examples/tools/python_tool_cluster.yaml"
