@@ -46,7 +46,8 @@ from megatron_rl.rollout.live import concat_spans
 logger = logging.getLogger(__name__)
 
 __all__ = ["CODE_STOP", "ENVIRONMENTS", "Environment", "Episode", "ToolEnvironment", "build_environment",
-           "episode_stats", "max_overlap", "model_token_ids", "tool_answer_text", "truncate_text"]
+           "episode_stats", "max_overlap", "model_token_ids", "tool_answer_ids", "tool_answer_pieces",
+           "tool_answer_text", "truncate_text"]
 
 ENVIRONMENTS: Registry[type] = Registry("environment")
 """Environments by name (`rollout.multi_turn.environment`); a user adds one in one file with
@@ -216,18 +217,36 @@ def truncate_text(text: str, limit: int, side: str) -> str:
     return text[:head] + mark + text[len(text) - (limit - head):]
 
 
-def tool_answer_text(messages: Sequence[str], fmt: str) -> str:
-    """What the environment appends after a turn with calls, given each call's message (in order):
-    `code`: one "```output\\n<message>\\n```\\n" block a call; `hermes` (Qwen2.5's template): the end of
-    the assistant turn's line, a user turn holding one <tool_response> a call, and the next
-    assistant header."""
-    from megatron_rl.tools.base import ToolResult
-    from megatron_rl.tools.parsing import format_tool_response
-
-    blocks = [format_tool_response(ToolResult(ok=True, output=m), fmt=fmt) for m in messages]
+def tool_answer_pieces(messages: Sequence[str], fmt: str) -> list[tuple[str, bool]]:
+    """What the environment appends after a turn with calls, given each call's message (in order), as
+    `(text, is_template)` pieces: `code`: one "```output\n<message>\n```\n" block a call; `hermes`
+    (Qwen2.5's template): the end of the assistant turn's line, a user turn holding one
+    <tool_response> a call, and the next assistant header. Template pieces may hold special tokens;
+    messages never do (`tool_answer_ids`)."""
     if fmt == "code":
-        return "".join(b + "\n" for b in blocks)
-    return "\n<|im_start|>user\n" + "\n".join(blocks) + "<|im_end|>\n<|im_start|>assistant\n"
+        return [p for m in messages for p in (("```output\n", True), (m, False), ("\n```\n", True))]
+    if fmt != "hermes":
+        raise ValueError(f"unknown tool call format {fmt!r}")
+    pieces: list[tuple[str, bool]] = [("\n<|im_start|>user\n", True)]
+    for k, m in enumerate(messages):
+        pieces += [(("\n" if k else "") + "<tool_response>\n", True), (m, False), ("\n</tool_response>", True)]
+    return pieces + [("<|im_end|>\n<|im_start|>assistant\n", True)]
+
+
+def tool_answer_text(messages: Sequence[str], fmt: str) -> str:
+    """`tool_answer_pieces` joined: the text the model reads after its call."""
+    return "".join(text for text, _ in tool_answer_pieces(messages, fmt))
+
+
+def tool_answer_ids(tokenizer, messages: Sequence[str], fmt: str) -> list[int]:
+    """The token ids of the tool answer: each piece encoded on its own, the tools' messages with
+    special tokens split into plain text (`split_special_tokens`), so a program that prints
+    "<|im_end|>" cannot forge a turn boundary or a chat-template header."""
+    ids: list[int] = []
+    for text, template in tool_answer_pieces(messages, fmt):
+        if text:
+            ids += tokenizer.encode(text, add_special_tokens=False, split_special_tokens=not template)
+    return ids
 
 
 def _cut_at_stop(res, tokenizer, stop: str):
@@ -318,7 +337,7 @@ class ToolEnvironment(Environment):
             episode.tool_errors += sum(1 for a in answers if not a.ok)
             messages = [truncate_text(a.to_message().rstrip(), cfg.max_tool_response_length,
                                       cfg.tool_response_truncate_side) for a in answers]
-            ids = self.tokenizer.encode(tool_answer_text(messages, cfg.format), add_special_tokens=False)
+            ids = tool_answer_ids(self.tokenizer, messages, cfg.format)
             if not episode.add_env_tokens(ids):
                 return
 
