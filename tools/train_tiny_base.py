@@ -17,6 +17,16 @@ norms, no bias), every layer an MoE block of ``--experts`` SwiGLU experts of wid
 top-``--topk`` routing with renormalised gates (``norm_topk_prob``), no shared expert, untied head
 (as Qwen3-30B-A3B). The router's load-balancing loss (``router_aux_loss_coef``) keeps the experts
 in use during SFT.
+
+Tool mode (issue 31): ``--tool-fraction '{"4": 0.35, "5": 0.35}'`` makes that share of a level's SFT
+examples python-tool solutions in the ``"code"`` format (``megatron_rl/tools/formats.py``): the
+program ``print(<expression>)``, the tool's ``output`` block (loss-masked: the environment writes it)
+and ``Answer: N`` with the true value, tokenised as three separate parts like the multi-turn rollout
+(``tool_response_ids``). ``--init-from examples/tiny/base_model`` continues a model instead of starting
+fresh (use a lower ``--lr``). With a tool fraction the evaluation runs real tool calls through the
+sandboxed ``python`` tool (``generate_with_tools``, ``evaluate_tools``) and reports the tool-call rate
+and the accuracy of tool and text samples; ``--eval-only --init-from DIR`` evaluates a saved model.
+See docs/MULTITURN.md "The tiny tool base model".
 """
 
 from __future__ import annotations
