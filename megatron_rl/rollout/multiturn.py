@@ -42,6 +42,7 @@ import numpy as np
 
 from megatron_rl.registry import Registry
 from megatron_rl.rollout.live import concat_spans
+from megatron_rl.tools.formats import CODE_STOP, code_response_text
 
 logger = logging.getLogger(__name__)
 
@@ -53,8 +54,6 @@ ENVIRONMENTS: Registry[type] = Registry("environment")
 """Environments by name (`rollout.multi_turn.environment`); a user adds one in one file with
 `@ENVIRONMENTS.register("name")` on an `Environment` subclass."""
 
-CODE_STOP = "\n```\n"
-"""The stop string of a `code`-format turn: the closing fence of the ```python block and its newline."""
 
 Generate = Callable[[list[int], dict, str], Any]
 """`generate(ids, sampling_params, rid) -> GenerateResult`: one model turn through the rollout manager."""
@@ -219,12 +218,13 @@ def truncate_text(text: str, limit: int, side: str) -> str:
 
 def tool_answer_pieces(messages: Sequence[str], fmt: str) -> list[tuple[str, bool]]:
     """What the environment appends after a turn with calls, given each call's message (in order), as
-    `(text, is_template)` pieces: `code`: one "```output\n<message>\n```\n" block a call; `hermes`
+    `(text, is_template)` pieces: `code`: one "```output\n<message>\n```\n" block a call
+    (`tools.formats.code_response_text`); `hermes`
     (Qwen2.5's template): the end of the assistant turn's line, a user turn holding one
     <tool_response> a call, and the next assistant header. Template pieces may hold special tokens;
     messages never do (`tool_answer_ids`)."""
-    if fmt == "code":
-        return [p for m in messages for p in (("```output\n", True), (m, False), ("\n```\n", True))]
+    if fmt == "code":  # no special token in it: each block one piece, encoded as the tiny SFT encodes it
+        return [(code_response_text(m), False) for m in messages]
     if fmt != "hermes":
         raise ValueError(f"unknown tool call format {fmt!r}")
     pieces: list[tuple[str, bool]] = [("\n<|im_start|>user\n", True)]
@@ -335,8 +335,8 @@ class ToolEnvironment(Environment):
             episode.tool_windows.append((t0, time.perf_counter()))
             episode.tool_calls += len(runnable)
             episode.tool_errors += sum(1 for a in answers if not a.ok)
-            messages = [truncate_text(a.to_message().rstrip(), cfg.max_tool_response_length,
-                                      cfg.tool_response_truncate_side) for a in answers]
+            messages = [truncate_text(a.to_message(), cfg.max_tool_response_length, cfg.tool_response_truncate_side)
+                        for a in answers]  # unstripped: the python tool's "77\n" as the tiny SFT saw it
             ids = tool_answer_ids(self.tokenizer, messages, cfg.format)
             if not episode.add_env_tokens(ids):
                 return

@@ -1,9 +1,10 @@
 """Multi-turn rollouts against a real embedded server (issue 31): stop strings, and episodes through
 the rollout manager with the real sandboxed python tool.
 
-The server is a separate process serving the tiny base model (its folder has the tokenizer, so stop
-strings work). The episode tests check token in / token out against the server itself: every
-model turn is re-generated alone from the exact ids the episode sent, and must give the same tokens.
+The server is a separate process serving the tiny tool base model (examples/tiny/tool_base_model:
+its folder has the tokenizer, so stop strings work; it calls the python tool on part of the hard
+problems). The episode tests check token in / token out against the server itself: every model turn
+is re-generated alone from the exact ids the episode sent, and must give the same tokens.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from megatron_rl.rollout.launcher import launch_rollout_server
 from megatron_rl.rollout.multiturn import CODE_STOP, Episode, ToolEnvironment
 
 ROOT = Path(__file__).resolve().parents[2]
-BASE = ROOT / "examples" / "tiny" / "base_model"
+BASE = ROOT / "examples" / "tiny" / "tool_base_model"
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +49,7 @@ def _generate(server, ids, sp):
 def test_stop_strings_keep_the_tokens(server, tok):
     """`stop` ends the request at the first token whose text completes the string; the ids are the
     greedy ids without a stop up to that token (token in, token out), finish_reason names the string."""
-    ids = render_prompt_ids(tok, [{"role": "user", "content": "What is 7*8+6*4?"}])
+    ids = render_prompt_ids(tok, [{"role": "user", "content": "What is 3+4+5?"}])  # level 2: never the tool
     full = _generate(server, ids, {"max_new_tokens": 40, "temperature": 0}).json()
     text = tok.decode(full["output_ids"])
     assert "=" in text, text
@@ -82,21 +83,33 @@ def manager(server, tok):
 
 
 def test_episode_turns_are_what_the_engine_saw(manager, server, tok):
-    """An episode forced to call the tool (the prompt ends in the opening of a ```python block the
-    model then completes): the trained sequence is the concatenation of the engine's turns and the
-    tool's answers; re-generating each model turn alone from its request gives the same tokens."""
-    prompt = render_prompt_ids(tok, [{"role": "user", "content": "What is 2+3?"}])
-    ids = prompt + tok.encode("```python\nprint(", add_special_tokens=False)
-    res = manager._generate_one(0, ids, {"temperature": 0.0, "max_new_tokens": 60}, "mt-0")
-    seg = res.episode["segments"]
-    assert seg[0][0] == "model" and len(res.response_mask) == len(res.output_ids)
-    for kind, a, b in seg:
-        assert all(m == (kind == "model") for m in res.response_mask[a:b])
-        if kind == "model":  # token in, token out: the same turn from the same ids
-            again = _generate(server, ids + res.output_ids[:a],
-                              {"temperature": 0, "max_new_tokens": 60 - a, "stop": [CODE_STOP]}).json()
-            assert again["output_ids"] == res.output_ids[a:b]
-        else:
-            assert tok.decode(res.output_ids[a:b]).startswith("```output\n")
-    assert res.episode["turns"] == sum(1 for k, _, _ in seg if k == "model")
-    print(res.episode, repr(tok.decode(res.output_ids)))
+    """Sampled episodes on level-5 problems (the model calls the tool on about a third of them): for
+    every episode, the trained sequence is the concatenation of the engine's turns and the tool's
+    answers, the mask is 1 exactly on the model's turns, and re-generating each model turn alone from
+    its request (same ids, same seed) gives the same tokens. At least one episode used the tool, and
+    its answer is the program's real output."""
+    from megatron_rl.rollout.manager import derive_seed
+
+    prompts = ["What is 8*6+7*9-4?", "What is 9*7+8*6-5?", "What is 6*9+7*8-3?", "What is 7*7+9*8-6?"]
+    used = 0
+    for i, q in enumerate(prompts):
+        ids = render_prompt_ids(tok, [{"role": "user", "content": q}])
+        for j in range(4):
+            seed = derive_seed(5, i, j)
+            rid = f"mt-p{i}-r{j}"
+            res = manager._generate_one(0, ids, {"temperature": 1.0, "max_new_tokens": 96, "sampling_seed": seed}, rid)
+            seg = res.episode["segments"]
+            assert len(res.response_mask) == len(res.output_ids) == len(res.output_logprobs)
+            for t, (kind, a, b) in enumerate(seg):
+                assert all(m == (kind == "model") for m in res.response_mask[a:b])
+                if kind == "model":  # token in, token out: the same turn from the same ids and seed
+                    sp = {"temperature": 1.0, "max_new_tokens": 96 - a, "stop": [CODE_STOP], "no_stop_trim": True,
+                          "sampling_seed": seed if a == 0 else derive_seed(seed, "turn", t // 2)}
+                    again = _generate(server, ids + res.output_ids[:a], sp).json()
+                    assert again["output_ids"] == res.output_ids[a:b], (q, j, t)
+                else:
+                    answer = tok.decode(res.output_ids[a:b])
+                    assert answer == f"```output\n{eval(q[8:-1])}\n\n```\n", answer
+                    used += 1
+            assert res.episode["turns"] == sum(1 for k, _, _ in seg if k == "model")
+    assert used > 0, "no episode called the tool"

@@ -118,3 +118,15 @@ def test_tool_dapo_7b_is_dapo_colocate_with_tools():
         "rollout.multi_turn.max_tool_calls", "rollout.multi_turn.max_tool_response_length",
         "rollout.multi_turn.tool_config_path"}
     assert tool["rollout.multi_turn.tool_config_path"] == "$ROOT/examples/tools/python_tool_cluster.yaml"
+
+
+def test_tiny_tool_dapo_is_dapo_with_tools():
+    """examples/tiny/tool-dapo.yaml (issue 31) is the tiny dapo.yaml on the tool base model with
+    multi-turn tool episodes and room for the tool's tokens in the response budget."""
+    base = _flat(_resolved("examples/tiny/dapo.yaml", []))
+    tool = _flat(_resolved("examples/tiny/tool-dapo.yaml", []))
+    assert {k for k in base if base[k] != tool[k]} == {
+        "run_dir", "model.path", "data.max_response_length", "rollout.multi_turn.enable",
+        "rollout.multi_turn.max_assistant_turns", "rollout.multi_turn.max_tool_calls",
+        "rollout.multi_turn.tool_config_path"}
+    assert tool["model.path"] == "$ROOT/examples/tiny/tool_base_model"

@@ -85,7 +85,7 @@ def test_code_episode_tokens_mask_spans_by_hand(tok, python_tool):
     under a newer weight version (a weight update between the turns) and its span starts there."""
     eos = tok.eos_token_id
     t1 = enc(tok, "```python\nprint(7*8+6*4-3)\n```\n")
-    answer = enc(tok, "```output\n77\n```\n")
+    answer = enc(tok, "```output\n77\n\n```\n")  # the python tool's stdout "77\n", unstripped
     t2 = enc(tok, "Answer: 77") + [eos]
     engine = ScriptedEngine([(t1, "stop_string", 3), (t2, "eos", 4)])
     prompt = _prompt(tok)
