@@ -67,7 +67,6 @@ def test_tool_recipe_resume_equals_uninterrupted(tmp_path):
     ref = _rows(ref_dir)
     assert sorted(ref) == list(range(1, STEPS + 1))
     assert sum(r["rollout/tool_calls"] for r in ref.values()) > 0, "the policy never called the tool"
-    assert all(r["train/tool_errors_per_sample"] == 0 for r in ref.values())
     run_dir = tmp_path / "killed"
     proc = subprocess.Popen(_cmd(run_dir, pool), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=ROOT)
     try:
