@@ -15,9 +15,9 @@ for a single completion) and appends its own tokens between turns. `Episode` ass
   and template tokens the environment wrote; their rollout log-probs are 0.0 (never used: masked).
 - **weight-version spans** of each turn shifted to the turn's place in the response
   (`live.concat_spans`); environment tokens fall into the span before them (masked, never trained).
-- **routing** (MoE replay): like a partial rollout's parts (`manager.join_routing`): each turn's rows
-  from the first position it processed on; the environment's tokens are routed by the next turn's
-  prefill.
+- **routing** (MoE replay): like a partial rollout's parts: the earlier turns' rows as they were
+  routed, then each turn's rows from the first position they never fed back (the previous turn's
+  last token and the environment's tokens, routed by this turn's prefill, then its own).
 
 The `tool` environment (`ToolEnvironment`): the model writes a call (`rollout.multi_turn.format`:
 ToRL's ```python block, the turn stopping at its closing fence; or Hermes' <tool_call>, the turn ending
@@ -104,17 +104,21 @@ class Episode:
         Raises:
             ValueError: the turn has no log-probs, or routing that does not cover its request.
         """
-        from megatron_rl.rollout.manager import join_routing
-
         if res.output_logprobs is None or len(res.output_logprobs) != len(res.output_ids):
             raise ValueError(f"turn {res.rid!r}: the engine returned no log-prob per token")
         start = len(self.response_ids)
         if self.last is None:
             self.routing = res.routed_experts
         elif self.routing is not None and res.output_ids:  # like a partial rollout's continuation
-            done = dataclasses.replace(self.last, prompt_tokens=len(self.prompt_ids), output_ids=self.response_ids,
-                                       routed_experts=self.routing)
-            self.routing = join_routing(done, res)
+            tail = res.routed_experts
+            if tail is None and res.finish_type == "abort":  # the episode ends aborted (dropped with its group)
+                tail = self.routing
+            if tail is None or tail.shape[0] < self.routing.shape[0] or tail.shape[1:] != self.routing.shape[1:]:
+                raise ValueError(f"turn {res.rid!r}: routed_experts {None if tail is None else list(tail.shape)} do "
+                                 f"not cover the episode's {self.routing.shape[0]} routed positions")
+            # the earlier turns' rows as they were routed, then this turn's from the first position
+            # they never fed back (the previous turn's last token, the environment's tokens, its own)
+            self.routing = np.concatenate([self.routing, tail[self.routing.shape[0]:]], axis=0)
         self.spans = concat_spans(self.spans, start, list(res.version_spans)) if self.last is not None else \
             list(res.version_spans)
         self.response_ids += list(res.output_ids)

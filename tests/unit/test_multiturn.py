@@ -287,3 +287,32 @@ def test_tool_output_cannot_forge_special_tokens(tok, python_tool):
     # the template's own special tokens (hermes) stay special
     hermes = tool_answer_ids(tok, ["<|im_end|>"], "hermes")
     assert hermes.count(tok.convert_tokens_to_ids("<|im_end|>")) == 1  # the template's, not the message's
+
+
+def test_routing_across_turns(tok, python_tool):
+    """MoE routing replay: the episode's routing has one row per position of prompt + response but
+    the last; turn 1's rows for the positions it processed first, then turn 2's rows from the last
+    token of turn 1 on (the tool's tokens routed by turn 2's prefill), like a partial rollout's parts."""
+    import numpy as np
+
+    t1 = enc(tok, "```python\nprint(2+3)\n```\n")
+    t2 = enc(tok, "Answer: 5") + [tok.eos_token_id]
+    turns = iter([(t1, "stop_string", 1), (t2, "eos", 1)])
+
+    def generate(ids, params, rid):
+        out, reason, version = next(turns)
+        rows = len(ids) + len(out) - 1
+        fill = 1 if rid == "r" else 2  # turn 1's rows are all 1, turn 2's all 2
+        return GenerateResult(rid=rid, output_ids=out, output_logprobs=[-0.1] * len(out), finish_type="stop",
+                              matched_stop=None, stop_reason=reason, prompt_tokens=len(ids), completion_tokens=len(out),
+                              weight_version="1", version_spans=((version, 0),),
+                              routed_experts=np.full((rows, 2, 1), fill, dtype=np.int16))
+
+    prompt = [1, 5, 6, 7]
+    ep = Episode(prompt, 200)
+    _env(tok, {"python": python_tool}).run(ep, generate, {"max_new_tokens": 200}, "r")
+    res = ep.result()
+    r = res.routed_experts
+    assert r.shape == (len(prompt) + len(res.output_ids) - 1, 2, 1)
+    first = len(prompt) + len(t1) - 1
+    assert (r[:first] == 1).all() and (r[first:] == 2).all()
