@@ -1,10 +1,14 @@
 """The tiny tool recipe against the text-only one: accuracy by level, tool use, the tool's cost.
 
-Issue 31's end-to-end measurement. One invocation trains two arms, same seed, `--steps` RL steps each,
+Issue 31's end-to-end measurement. One invocation trains three arms, same seed, `--steps` RL steps each,
 with the recipes' held-out evaluation before and after (avg@8, pass@8, greedy on
 examples/tiny/data/test.jsonl, also by level):
 
 * `text` - `examples/tiny/dapo.yaml`: the tiny DAPO recipe on `base_model` (one completion a sample);
+* `text_control` - the same text-only recipe on `text_control_model`: base_model with the tool model's
+  continued SFT minus the tool examples (`tools/train_tiny_base.py` without `--tool-fraction`), so
+  that `tool` and `text_control` start from the same amount of SFT (the continued SFT alone sharpens
+  the text answers too);
 * `tool` - `examples/tiny/tool-dapo.yaml`: the same DAPO recipe on `tool_base_model` (base_model SFT'd
   further to call the sandboxed python tool sometimes), every sample an episode of turns.
 
@@ -15,7 +19,7 @@ tools / calls, wall clock of a turn's calls), the share of an episode's time spe
 most tool runs of different samples in progress at once (`rollout/tool_concurrency_max`: > 1 means
 the calls of different samples overlapped instead of waiting on each other).
 
-    .venv/bin/python benchmarks/tool_tiny_dapo.py                     # 2 arms x 80 steps; ~15-25 min on 2 cores
+    .venv/bin/python benchmarks/tool_tiny_dapo.py                     # 3 arms x 80 steps; ~25-40 min on 2 cores
     .venv/bin/python benchmarks/tool_tiny_dapo.py --arms tool --steps 3 --out /tmp/x.json
     .venv/bin/python benchmarks/tool_tiny_dapo.py --from-runs text=runs/a tool=runs/b   # summarise only
 
@@ -36,7 +40,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-RECIPES = {"text": REPO / "examples" / "tiny" / "dapo.yaml", "tool": REPO / "examples" / "tiny" / "tool-dapo.yaml"}
+RECIPES = {"text": REPO / "examples" / "tiny" / "dapo.yaml", "text_control": REPO / "examples" / "tiny" / "dapo.yaml",
+           "tool": REPO / "examples" / "tiny" / "tool-dapo.yaml"}
+OVERRIDES = {"text_control": ["model.path=examples/tiny/text_control_model"]}
+"""Arm -> overrides added to its recipe."""
 EVAL_KEYS = ("avg@8", "pass@8", "greedy_acc")
 
 
@@ -115,7 +122,8 @@ def run_arm(name: str, work: Path, steps: int) -> Path:
     shutil.rmtree(run_dir, ignore_errors=True)
     log = work / f"{name}.log"
     cmd = [sys.executable, "-m", "megatron_rl.cli", "train", "--config", str(RECIPES[name]), f"run_dir={run_dir}",
-           f"trainer.total_training_steps={steps}", "trainer.progress_bar=false", "trainer.save_last=false"]
+           f"trainer.total_training_steps={steps}", "trainer.progress_bar=false", "trainer.save_last=false",
+           *OVERRIDES.get(name, [])]
     t0 = time.monotonic()
     with open(log, "w") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO).returncode
