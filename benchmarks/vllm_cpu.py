@@ -5,8 +5,8 @@ Needs the vLLM CPU environment (``scripts/setup_vllm_cpu.sh``; ``--vllm-python``
 ``$VLLM_VENV/bin/python``, else ``<repo>/.venv-vllm-cpu/bin/python``, else ``/work/venv-vllm-cpu/bin/python``).
 
 Part ``step``: ``examples/tiny/ci.yaml`` (the CI recipe: DA3PO, dynamic sampling, 8 prompts x 8
-responses a step) for ``--steps`` RL steps, no evaluation, once with ``rollout.backend: embedded`` and
-once with ``rollout.backend: vllm`` (``weight_sync.backend: gloo``; vLLM's default flags plus the
+responses a step) for ``--steps`` RL steps, no evaluation, with ``rollout.backend: embedded`` and
+with ``rollout.backend: vllm``, alternated ``--rounds`` times (``weight_sync.backend: gloo``; vLLM's default flags plus the
 launcher's CPU ones, i.e. with its ``torch.compile``), one engine each, the same run config
 otherwise. The per-phase split of each (``step_time_split.split``, step 1 left out) and the ratio of
 the mean steps (issue 30's target: vLLM <= 1.2x embedded). The cores are shared: the load average
@@ -20,7 +20,7 @@ resume): one warm-up, then ``--repeats`` timed syncs; then a raw ``torch.distrib
 same tensors (one broadcast each, same sizes, same order) to a plain receiver process over a group
 made the same way. Reported: GB/s of each (best run) and the ratio (target >= 0.8).
 
-    .venv/bin/python benchmarks/vllm_cpu.py --part step     # ~5 min on 2 cores
+    .venv/bin/python benchmarks/vllm_cpu.py --part step     # ~10 min on 2 cores (2 rounds)
     .venv/bin/python benchmarks/vllm_cpu.py --part sync     # ~2 min
 
 Writes ``benchmarks/results/vllm_cpu.json`` (a part not run keeps its entry) and prints a table.
@@ -67,30 +67,43 @@ def _load() -> dict:
                                                                         text=True).stdout.strip()}
 
 
-def part_step(vllm_python: str, steps: int, skip_first: int, work: Path) -> dict:
-    """Both backends on the CI recipe; returns their splits, the load around each and the ratio."""
+def part_step(vllm_python: str, steps: int, skip_first: int, work: Path, rounds: int) -> dict:
+    """Both backends on the CI recipe, alternated ``rounds`` times (embedded, vLLM, embedded, ...: the
+    cores are shared, so a load that changes hits both); returns each run's split and load, and the
+    ratio of the mean steps over all rounds. The trainer-only phases (log-probs, update) are the same
+    work on both backends: their ratio shows how much of the step ratio is the machine's load."""
     config = str(REPO / "examples" / "tiny" / "ci.yaml")
-    common: list[str] = []
     backends = {
         "embedded": ["rollout.backend=embedded"],
         "vllm": ["rollout.backend=vllm", f"rollout.vllm_python={vllm_python}", "weight_sync.backend=gloo"],
     }
     out = {"config": os.path.relpath(config, REPO), "steps": steps, "skipped_first_steps": skip_first,
-           "cpu_count": os.cpu_count()}
-    for name, overrides in backends.items():
-        run_dir = work / name
-        before = _load()
-        wall = sts.run_recipe(config, steps, run_dir, common + overrides)
-        after = _load()
-        rows = sts.load_step_rows(run_dir)[skip_first:]
-        out[name] = {"overrides": common + overrides, "process_wall_s": wall, "load_before": before,
-                     "load_after": after, "split": sts.split(rows),
-                     "step_s": [round(float(r["timing/step_s"]), 3) for r in rows]}
-        print(f"{name}: mean step {out[name]['split']['step_s']:.2f} s over {len(rows)} steps, process "
-              f"{wall:.0f} s, load {before['loadavg_1m']:.1f} -> {after['loadavg_1m']:.1f}", flush=True)
-    out["ratio_vllm_to_embedded"] = out["vllm"]["split"]["step_s"] / out["embedded"]["split"]["step_s"]
-    out["median_ratio_vllm_to_embedded"] = (statistics.median(out["vllm"]["step_s"])
-                                            / statistics.median(out["embedded"]["step_s"]))
+           "cpu_count": os.cpu_count(), "rounds": rounds, "runs": []}
+    steps_of: dict[str, list[float]] = {name: [] for name in backends}
+    rows_of: dict[str, list[dict]] = {name: [] for name in backends}
+    for r in range(rounds):
+        for name, overrides in backends.items():
+            run_dir = work / f"{name}-{r}"
+            before = _load()
+            wall = sts.run_recipe(config, steps, run_dir, overrides)
+            after = _load()
+            rows = sts.load_step_rows(run_dir)[skip_first:]
+            rows_of[name] += rows
+            steps_of[name] += [float(x["timing/step_s"]) for x in rows]
+            run = {"backend": name, "round": r, "overrides": overrides, "process_wall_s": wall, "load_before": before,
+                   "load_after": after, "split": sts.split(rows),
+                   "step_s": [round(float(x["timing/step_s"]), 3) for x in rows]}
+            out["runs"].append(run)
+            print(f"{name} (round {r}): mean step {run['split']['step_s']:.2f} s over {len(rows)} steps, process "
+                  f"{wall:.0f} s, load {before['loadavg_1m']:.1f} -> {after['loadavg_1m']:.1f}", flush=True)
+    for name in backends:
+        out[name] = {"split": sts.split(rows_of[name]), "step_s_median": statistics.median(steps_of[name])}
+    emb, vll = out["embedded"]["split"], out["vllm"]["split"]
+    out["ratio_vllm_to_embedded"] = vll["step_s"] / emb["step_s"]
+    out["median_ratio_vllm_to_embedded"] = out["vllm"]["step_s_median"] / out["embedded"]["step_s_median"]
+    out["trainer_phases_ratio"] = ((vll["phases"]["log-probs"]["mean_s"] + vll["phases"]["update"]["mean_s"])
+                                   / (emb["phases"]["log-probs"]["mean_s"] + emb["phases"]["update"]["mean_s"]))
+    out["rollout_ratio"] = vll["phases"]["rollout"]["mean_s"] / emb["phases"]["rollout"]["mean_s"]
     out["target"] = "vllm step <= 1.2x embedded"
     out["target_met"] = out["ratio_vllm_to_embedded"] <= 1.2
     return out
@@ -155,6 +168,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--skip-first", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2, help="step part: alternations of the two backends")
     ap.add_argument("--work-dir", type=Path, default=None, help="folder for the recipe runs (default: a new temp dir)")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
@@ -165,7 +179,7 @@ def main() -> None:
     if args.part in ("step", "all"):
         work = args.work_dir or Path(tempfile.mkdtemp(prefix="megatron-rl-vllm-step-"))
         print(f"runs in {work}", flush=True)
-        results["step"] = part_step(python, args.steps, args.skip_first, work)
+        results["step"] = part_step(python, args.steps, args.skip_first, work, args.rounds)
         args.out.write_text(json.dumps(results, indent=2) + "\n")
     if args.part in ("sync", "all"):
         results["sync"] = part_sync(python, args.repeats)
@@ -178,7 +192,8 @@ def main() -> None:
                   f"{s['vllm']['split']['phases'][phase]['mean_s']:.2f} |")
         print(f"| **step** | **{s['embedded']['split']['step_s']:.2f}** | **{s['vllm']['split']['step_s']:.2f}** |")
         print(f"vLLM / embedded: {s['ratio_vllm_to_embedded']:.2f} (median steps {s['median_ratio_vllm_to_embedded']:.2f}; "
-              f"target <= 1.2: {'met' if s['target_met'] else 'NOT met'})")
+              f"target <= 1.2: {'met' if s['target_met'] else 'NOT met'}); rollout {s.get('rollout_ratio', float('nan')):.2f}, "
+              f"trainer-only phases {s.get('trainer_phases_ratio', float('nan')):.2f} (the same work on both: the load)")
     if "sync" in results:
         s = results["sync"]
         print(f"sync of {s['model_bytes'] / 1e9:.2f} GB into vLLM: {s['sync_time_s']:.2f} s = {s['sync_gb_per_s']:.2f} GB/s; "

@@ -1,23 +1,26 @@
-"""The live tier (issue 30): a real vLLM server on CPU, started by megatron-rl's launcher, taking a
-weight update from the trainer side over megatron-rl's gloo transfer engine (plugins/vllm_gloo).
+"""The live tier (issue 30): real vLLM CPU engines, started by megatron-rl's launcher, taking weight
+updates from the trainer side over megatron-rl's gloo transfer engine (plugins/vllm_gloo).
 
-Needs the vLLM CPU environment of ``scripts/setup_vllm_cpu.sh`` (``$VLLM_VENV`` when it holds vLLM and
-the plugin, else ``/work/venv-vllm-cpu``); skipped with the reason when there is none. Marked ``live``
-and ``slow`` (a vLLM CPU start-up takes ~1.5 min and both cores), so the default CI command
-(``-m "not slow"``) leaves it out; run it with ``VLLM_VENV=/work/venv-vllm-cpu .venv/bin/python -m
-pytest -q -m live tests/live``.
+Needs the vLLM CPU environment of ``scripts/setup_vllm_cpu.sh`` (tests/live/vllm_live.py says where it
+is looked for); skipped with the reason when there is none. Marked ``live`` and ``slow``, so the default
+CI command (``-m "not slow"``) leaves it out; ``.ci/run`` runs it with ``.venv/bin/python -m pytest -q
+-m live tests/live`` (about 5 min on 2 cores, both modules).
 
-What it checks, on examples/tiny/base_model:
+This module shares 2 engines (``--enforce-eager``, started together: 40-46 s) between its tests, on
+examples/tiny/base_model:
 
-1. ``launch_servers("vllm", ..., weight_transfer_backend="gloo", vllm_device="cpu")`` brings a
-   ``vllm serve`` up (``/health``), and ``VLLMClient`` generates (greedy, token ids and log-probs);
-2. ``WeightSyncSender(backend="gloo")`` forms the group with the server's worker
-   (``/init_weight_transfer_engine``) and pushes perturbed weights: generations change,
-   ``/weight_info`` reports the new version, and the engine's log-probs of a fixed sequence are
-   Hugging Face's under the perturbed weights (every tensor arrived, the tied ``lm_head`` included);
-3. pushing the checkpoint's weights back restores the first generation exactly (tokens) and its
-   log-probs (to float32 round-off);
-4. the trainer's start-up log-prob check passes against the real engine.
+1. the launcher brings ``vllm serve`` up with the CPU and gloo flags, ``VLLMClient`` generates;
+2. ``WeightSyncSender(backend="gloo")`` pushes perturbed weights: generations change, ``/weight_info``
+   reports the new version, the engine's log-probs are Hugging Face's under the pushed weights; the
+   checkpoint's weights pushed back restore the first generation exactly;
+3. the trainer's start-up log-prob check passes against the real engine;
+4. requests in flight when the engine is paused ``in_place`` survive an update and finish on the new weights;
+5. ``megatron-rl train`` with ``trainer.max_staleness=1`` against both engines (``rollout.server_urls``),
+   with ``pause_mode: in_place`` and with ``abort`` + ``rollout.partial_rollout``;
+6. last: an ``/update_weights`` that fails (the plugin's test hook) stops the run with an error naming
+   the engine, and leaves the engines paused but able to serve.
+
+The whole loop with engines the trainer starts itself, and a killed one: test_vllm_cpu_train_live.py.
 """
 
 from __future__ import annotations
