@@ -31,7 +31,9 @@ memory is released; that is the colocation helper's job): ``/sleep`` pauses as `
 marks the parts asleep, ``/wake_up`` wakes the named parts and resumes once all are awake, and a
 completion is refused while any part sleeps (503, vLLM's "Generation is paused" error) and, after a
 level-2 sleep, until a weight update finished (409 naming level 2 and the missing reload: case N13;
-a real vLLM would answer garbage there). It is served without ``--enable-sleep-mode``.
+a real vLLM would answer garbage there). It is served without ``--enable-sleep-mode``. A refused or
+failed ``/update_weights`` ends the update session, as vLLM's worker does (the next
+``/finish_weight_update`` is refused; docs/VLLM_API.md section 8).
 """
 
 from __future__ import annotations
@@ -449,21 +451,28 @@ def build_vllm_app(state: ServerState) -> FastAPI:
         data = await _json_body(request)
         if data.get("update_info") is None:
             return error("Missing 'update_info' in request body")
-        info = _parse(UpdateInfo, data["update_info"], "update_info")
-        call = await start_update(state, names=info.names, dtypes=info.dtype_names, shapes=info.shapes,
-                                  group_name=GROUP_NAME, load_format=None)
+        try:
+            info = _parse(UpdateInfo, data["update_info"], "update_info")
+            call = await start_update(state, names=info.names, dtypes=info.dtype_names, shapes=info.shapes,
+                                      group_name=GROUP_NAME, load_format=None)
 
-        async def run():
-            check = replicas.start_receive(info.names, info.dtype_names, info.shapes) if replicas.members else None
-            await receive_update(state, call)
-            if check is not None:
-                try:
-                    await state.in_control_thread(check, _loaded_weight)
-                except RuntimeError as e:
-                    raise SessionError(f"Failed to update weights: {e}") from e
-            return JSONResponse({"message": "Weights updated"})
+            async def run():
+                check = replicas.start_receive(info.names, info.dtype_names, info.shapes) if replicas.members else None
+                await receive_update(state, call)
+                if check is not None:
+                    try:
+                        await state.in_control_thread(check, _loaded_weight)
+                    except RuntimeError as e:
+                        raise SessionError(f"Failed to update weights: {e}") from e
+                return JSONResponse({"message": "Weights updated"})
 
-        return await with_write_lock(state, run)
+            return await with_write_lock(state, run)
+        except BaseException:
+            # vLLM's worker ends the session when an update fails (gpu_worker.update_weights:
+            # _weight_update_active = False), so the next /finish_weight_update is refused (issue 30, live)
+            if state.session.is_open:
+                state.session.end()
+            raise
 
     @app.post("/finish_weight_update")
     async def finish_weight_update(request: Request):

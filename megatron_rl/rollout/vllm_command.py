@@ -43,8 +43,11 @@ VLLM_DEVICES = ("auto", "cuda", "cpu")
 VLLM_CPU_FLAGS = ("--dtype", "float32", "--no-enable-chunked-prefill")
 """Flags every CPU engine gets (before ``extra_args``, which can override ``--dtype``)."""
 
-VLLM_CPU_ENV = (("VLLM_CPU_KVCACHE_SPACE", "1"),)
-"""Environment defaults of a CPU engine (a value already set in the environment wins)."""
+VLLM_CPU_ENV = (("VLLM_CPU_KVCACHE_SPACE", "1"), ("MEGATRON_RL_VLLM_SHM_BUSY_LOOP_S", "0.005"))
+"""Environment defaults of a CPU engine (a value already set in the environment wins): the KV cache in
+GiB, and the cap on vLLM's 1 s busy loop after each engine step (the gloo plugin applies it:
+``megatron_rl_vllm_gloo.shorten_shm_busy_loop``; the spin took a core from the trainer after every
+generation)."""
 
 
 def resolve_vllm_device(device: str) -> str:

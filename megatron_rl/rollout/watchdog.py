@@ -10,7 +10,10 @@ would leave SGLang engines holding their GPUs and ports. This wrapper sits betwe
 It starts the command in its own process group (the wrapper is that session's leader, so the
 command and everything it spawns share the wrapper's group), then every ``--interval-s``:
 
-- the command exited: the wrapper exits with its code;
+- the command exited: whatever it left behind in the group (vLLM's ``EngineCore``, SGLang's
+  scheduler, their ``resource_tracker``: orphans once the command died of SIGKILL) gets SIGKILL,
+  then the wrapper exits with the command's code (so a restarted engine never sits beside the
+  orphans of the one it replaces);
 - ``PID`` is gone (or is no longer the wrapper's parent): SIGTERM to the command (SGLang then stops
   its scheduler and detokenizer processes), SIGKILL to the whole process group after ``--grace-s``.
 
@@ -26,6 +29,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 
 def _parent_alive(parent_pid: int) -> bool:
@@ -61,6 +65,37 @@ def _stop(child: subprocess.Popen, grace_s: float, why: str) -> int:
     return child.returncode if child.returncode is not None else 1
 
 
+def _group_members(pgid: int) -> list[int]:
+    """Pids in process group ``pgid`` other than this process (from ``/proc``; empty where there is none)."""
+    me, pids = os.getpid(), []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, pgrp, ...
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            pids.append(int(entry))
+    return pids
+
+
+def _kill_leftovers() -> int:
+    """SIGKILL every other process of this wrapper's group (it leads its own group); returns how many."""
+    pgid = os.getpgid(0)
+    if pgid != os.getpid():
+        return 0  # not the group's leader: the group is not ours to clean
+    killed = 0
+    for pid in _group_members(pgid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed += 1
+        except ProcessLookupError:
+            pass
+    return killed
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the command's exit code (or 1 after a watchdog stop).
 
@@ -90,6 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     while True:
         code = child.poll()
         if code is not None:
+            killed = _kill_leftovers()
+            if killed:
+                print(f"[watchdog] pid {child.pid} exited with {code}; killed {killed} process(es) it left behind",
+                      file=sys.stderr, flush=True)
             return code
         if stop_reason:
             return _stop(child, args.grace_s, stop_reason[0])

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import threading
 from datetime import timedelta
 
 import torch
@@ -32,7 +33,7 @@ from megatron_rl.versions import check_torch_version
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["destroy_custom_process_group", "init_custom_process_group"]
+__all__ = ["destroy_custom_process_group", "init_custom_process_group", "release_in_background"]
 
 #: Parameters of ``_new_process_group_helper`` this module passes (torch 2.6 renamed
 #: ``pg_options`` to ``backend_options``; SGLang switches on the version the same way).
@@ -140,3 +141,19 @@ def destroy_custom_process_group(pg: dist.ProcessGroup) -> None:
     Leaves the default process group (if any) alone.
     """
     dist.destroy_process_group(pg)
+
+
+def release_in_background(box: list) -> None:
+    """Empty ``box`` (a list holding a destroyed process group whose broadcasts never completed, and
+    their ``dist.Work`` handles) on a daemon thread, so that the last references drop there.
+
+    Gloo's ``ProcessGroupGloo`` destructor waits for its pending work: after a server refused a
+    bucket, the trainer's sends of that bucket wait for a receiver that never comes, until the
+    group's timeout (``rollout.timeout_s``, 600 s) or until the server leaves its side of the group
+    (its next ``/init_weight_transfer_engine``, or its exit). Found live against vLLM (issue 30): the
+    sync's retry, which re-creates the group, hung in that destructor before it could ask the
+    servers to re-join, and a run that then stopped hung at exit. A daemon thread takes the wait
+    instead (``dist.destroy_process_group`` already freed the group's name), and is abandoned if the
+    process exits first. The caller must hold no other reference than ``box`` (``del`` its locals first).
+    """
+    threading.Thread(target=box.clear, name="release-weight-update-group", daemon=True).start()

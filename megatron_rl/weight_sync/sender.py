@@ -35,7 +35,7 @@ import torch.distributed as dist
 from megatron_rl.errors import RolloutServerError, WeightSyncError
 from megatron_rl.ports import find_free_port
 from megatron_rl.weight_sync.buckets import server_weight_dtype, wire_buckets
-from megatron_rl.weight_sync.group import destroy_custom_process_group, init_custom_process_group
+from megatron_rl.weight_sync.group import destroy_custom_process_group, init_custom_process_group, release_in_background
 from megatron_rl.weight_sync.ranks import plan_transfer_ranks
 from megatron_rl.weight_sync.receiver import BroadcastReceiver, label_engines
 
@@ -145,6 +145,7 @@ class WeightSyncSender:
         self.timeout_s = timeout_s
         self.dtype = dtype
         self._pg = None  # dist.ProcessGroup (transport torch) or vllm_nccl.VllmNcclGroup
+        self._inflight = None  # the broadcast of the bucket on the wire (a dist.Work or _AllWorks), until it ends
         self._pool = ThreadPoolExecutor(max_workers=len(self.clients) + 2, thread_name_prefix="weight-sync")
 
     @property
@@ -404,7 +405,9 @@ class WeightSyncSender:
                 tp = time.perf_counter()
                 following = None if is_last else next(buckets)
                 prepare_s += time.perf_counter() - tp
+                self._inflight = work
                 done_at = self._wait_all(posts, work, f"bucket {num_buckets} ({len(meta.names)} tensors)", group_op=True)
+                self._inflight = None
                 broadcast_s += done_at - tb
                 load_s += time.perf_counter() - done_at
                 nbytes += flat.numel() if flatten else sum(t.numel() * t.element_size() for t in flat)
@@ -493,6 +496,9 @@ class WeightSyncSender:
         if self._pg is None:
             return
         pg, self._pg = self._pg, None
+        pending, self._inflight = self._inflight, None
+        if pending is not None and pending.is_completed():
+            pending = None
         for c in self.clients:
             try:
                 c.destroy_weights_update_group(self.group_name)
@@ -505,6 +511,14 @@ class WeightSyncSender:
                 destroy_custom_process_group(pg)
         except Exception as e:  # noqa: BLE001 - a group whose peer died may not tear down cleanly
             logger.warning("destroying the local side of weight-update group %r: %s", self.group_name, e)
+        if pending is not None and self.transport != "vllm-nccl":
+            # a server refused a bucket: its sends never complete, and gloo's destructor would wait for
+            # them (until the timeout, or until the servers leave the group at the re-init that follows)
+            logger.info("weight-update group %r had a broadcast pending (a server never joined it); released in "
+                        "the background", self.group_name)
+            box = [pg, pending]
+            del pg, pending  # the daemon thread must drop the last references
+            release_in_background(box)
 
     def checksums(self, named_tensors: Iterable[tuple[str, torch.Tensor]], into: dict) -> Iterator[tuple[str, torch.Tensor]]:
         """Pass ``named_tensors`` through unchanged while recording, in ``into``, each floating

@@ -128,6 +128,25 @@ def test_sigterm_to_the_wrapper_reaches_the_server(scripts):
         _cleanup(wrapper.pid, pids["server"], pids["grandchild"])
 
 
+def test_server_killed_outright_takes_its_children_along(scripts):
+    """The server itself dies of SIGKILL (issue 30: a vLLM API server killed so left its ``EngineCore``
+    and ``resource_tracker`` running, re-parented to init, beside the restarted engine): the wrapper
+    SIGKILLs what the server left in its group, then exits."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    pids_file = scripts / "pids.json"
+    cmd = with_parent_watchdog([sys.executable, str(scripts / "server.py"), str(pids_file)])
+    wrapper = subprocess.Popen(cmd[:5] + ["--interval-s", "0.2", "--grace-s", "5"] + cmd[5:], env=env,
+                               start_new_session=True, stderr=subprocess.PIPE, text=True)
+    pids = _wait_for(pids_file)
+    try:
+        os.kill(pids["server"], signal.SIGKILL)
+        wrapper.wait(timeout=10)
+        assert _gone([pids["grandchild"]], timeout_s=10.0)
+        assert "left behind" in wrapper.stderr.read()
+    finally:
+        _cleanup(wrapper.pid, pids["server"], pids["grandchild"])
+
+
 def test_wrapper_exits_with_the_commands_code_and_checks_its_arguments():
     env = dict(os.environ, PYTHONPATH=str(REPO))
     ok = subprocess.run(with_parent_watchdog([sys.executable, "-c", "import sys; sys.exit(7)"]), env=env, timeout=30)

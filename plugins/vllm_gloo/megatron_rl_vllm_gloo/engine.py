@@ -20,14 +20,24 @@ step for step, with a torch gloo process group in place of ``StatelessProcessGro
   device first when that is not the CPU). Packed transfer is refused.
 * ``update_weights``: the base class's, without its ``torch.accelerator.synchronize()`` on CPU
   (there is no accelerator; a gloo broadcast is complete when it returns).
+* a failed ``update_weights`` finalizes the reload before raising (`GlooWeightTransferEngine.restore_after_failure`):
+  vLLM's worker ends the session on that error without ``finish_weight_update``, which left the
+  layers that had received nothing on the meta device and the engine crashing on its next request;
 * on CPU, ``finish_weight_update`` also repacks the logits GEMM of tied embeddings
   (`refresh_cpu_lm_heads`: vLLM's reload leaves a tied ``lm_head`` computing with the old weights).
+
+Test hook (never set it in normal use): while the file named by ``MEGATRON_RL_VLLM_GLOO_FAULT_FILE``
+(`FAULT_FILE_ENV`) exists, ``update_weights`` raises before receiving anything, as a worker whose load
+fails would; vLLM answers the ``/update_weights`` call with HTTP 500. The live tier
+(tests/live/test_vllm_cpu_live.py) uses it to check that such a failure stops the training run with an
+error naming the engine.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+import os
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -43,10 +53,26 @@ from vllm.distributed.weight_transfer.base import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["GlooWeightTransferEngine", "GlooWeightTransferInitInfo", "GlooWeightTransferUpdateInfo", "join_group",
+__all__ = ["FAULT_FILE_ENV", "GlooWeightTransferEngine", "GlooWeightTransferInitInfo", "GlooWeightTransferUpdateInfo",
+           "check_fault_hook", "join_group",
            "refresh_cpu_lm_heads"]
 
 DEFAULT_GROUP_NAME = "weight_update_group"
+
+FAULT_FILE_ENV = "MEGATRON_RL_VLLM_GLOO_FAULT_FILE"
+"""Test hook: a path; while a file exists there, every ``update_weights`` raises (`check_fault_hook`)."""
+
+
+def check_fault_hook() -> None:
+    """Raise when the test hook `FAULT_FILE_ENV` names a file that exists (read at every call, so a
+    test can switch the fault on and off while the server runs); nothing when unset.
+
+    Raises:
+        RuntimeError: the hook is on (the message names the variable and the file).
+    """
+    path = os.environ.get(FAULT_FILE_ENV, "").strip()
+    if path and os.path.exists(path):
+        raise RuntimeError(f"weight update refused by the test hook {FAULT_FILE_ENV}={path} (the file exists)")
 
 
 @dataclass(kw_only=True)
@@ -175,10 +201,40 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             refresh_cpu_lm_heads(self.model)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        """The base class's, with the accelerator synchronize only where there is an accelerator."""
-        self.receive_weights(self.parse_update_info(update_info))
+        """The base class's, with the accelerator synchronize only where there is an accelerator.
+
+        On a failure the layer-wise reload is finalized before the error goes on (`restore_after_failure`):
+        vLLM's worker then ends the session without calling `finish_weight_update`, which would leave
+        every layer that received nothing on the meta device, and the next forward crashing.
+
+        Raises:
+            RuntimeError: the test hook `FAULT_FILE_ENV` is on (`check_fault_hook`); whatever receiving
+                or loading raised.
+        """
+        try:
+            check_fault_hook()
+            self.receive_weights(self.parse_update_info(update_info))
+        except BaseException:
+            self.restore_after_failure()
+            raise
         if self.device.type != "cpu":
             torch.accelerator.synchronize()
+
+    def restore_after_failure(self) -> None:
+        """Finalize the open layer-wise reload after a failed ``update_weights``: layers that received
+        nothing get their previous weights back, layers that received everything keep the new ones, so
+        the engine stays able to serve (issue 30 found it crashing on the next request otherwise); the
+        next update replaces everything. Errors here are logged, the caller's error is what counts."""
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        try:
+            finalize_layerwise_reload(self.model, self.model_config)
+            if self.device.type == "cpu":
+                refresh_cpu_lm_heads(self.model)
+            logger.warning("weight update failed; the layer-wise reload was finalized (layers that received nothing "
+                           "keep their previous weights)")
+        except Exception as e:  # noqa: BLE001 - best effort
+            logger.warning("finalizing the layer-wise reload after a failed weight update: %s", e)
 
     def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
         """One gloo broadcast from rank 0 per tensor, in order, each loaded as it arrives."""
