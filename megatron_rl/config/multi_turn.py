@@ -54,6 +54,10 @@ class MultiTurnConfig:
     tool_response_truncate_side: str = "middle"
     """left | middle (default) | right: what of a long tool answer is dropped... `left` keeps the
     end, `right` keeps the start, `middle` keeps both ends. verl: `multi_turn.tool_response_truncate_side`."""
+    tool_timeout_s: float = 120.0
+    """Seconds a turn's tool calls may take before each unfinished one is answered with a tool error
+    (> 0; a guard against a custom tool that never returns; the python tool stops itself at its
+    `wall_timeout_s`). Default 120."""
     tool_config_path: Optional[str] = None
     """YAML file listing the tools (`megatron_rl.tools.tool_config`, e.g. examples/tools/python_tool.yaml);
     relative paths are from the config file's folder. Required with `enable`. verl: `multi_turn.tool_config_path`."""
@@ -61,6 +65,7 @@ class MultiTurnConfig:
     def __post_init__(self) -> None:
         for name in ("max_assistant_turns", "max_tool_calls", "max_parallel_calls", "max_tool_response_length"):
             check_positive(f"rollout.multi_turn.{name}", getattr(self, name))
+        check_positive("rollout.multi_turn.tool_timeout_s", self.tool_timeout_s)
         check_choice("rollout.multi_turn.tool_response_truncate_side", self.tool_response_truncate_side,
                      TRUNCATE_SIDES)
         check_choice("rollout.multi_turn.format", self.format, FORMATS)

@@ -333,7 +333,8 @@ class ToolEnvironment(Environment):
                 else:
                     runnable.append(k)
             t0 = time.perf_counter()
-            for k, out in zip(runnable, run_tool_calls([calls[k] for k in runnable], self.tools)):
+            for k, out in zip(runnable, run_tool_calls([calls[k] for k in runnable], self.tools,
+                                                                timeout_s=cfg.tool_timeout_s)):
                 answers[k] = out
             episode.tool_s += time.perf_counter() - t0
             episode.tool_windows.append((t0, time.perf_counter()))

@@ -13,7 +13,7 @@ import json
 import logging
 import re
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 
 from megatron_rl.tools.base import Tool, ToolCall, ToolResult
 
@@ -30,6 +30,9 @@ def _parse_hermes_body(body: str) -> ToolCall | ToolResult:
     except json.JSONDecodeError as e:
         return ToolResult(ok=False, error=f"malformed tool call: invalid JSON inside <tool_call> ({e.msg} at "
                                           f"character {e.pos}); expected {{\"name\": ..., \"arguments\": {{...}}}}")
+    except (RecursionError, ValueError) as e:  # too deeply nested, or a number of > 4300 digits
+        return ToolResult(ok=False, error=f"malformed tool call: the JSON inside <tool_call> cannot be read "
+                                          f"({type(e).__name__}: {str(e)[:200]})")
     if not isinstance(obj, dict):
         return ToolResult(ok=False, error=f"malformed tool call: expected a JSON object, got {type(obj).__name__}")
     name = obj.get("name")
@@ -41,9 +44,9 @@ def _parse_hermes_body(body: str) -> ToolCall | ToolResult:
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
             args = json.loads(args)
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, RecursionError, ValueError) as e:
             return ToolResult(ok=False, error=f"malformed tool call to {name!r}: \"arguments\" is a string that "
-                                              f"is not valid JSON ({e.msg})")
+                                              f"is not valid JSON ({getattr(e, 'msg', str(e)[:200])})")
     if not isinstance(args, dict):
         return ToolResult(ok=False, error=f"malformed tool call to {name!r}: \"arguments\" must be a JSON object, "
                                           f"got {type(args).__name__}")
@@ -85,12 +88,26 @@ def run_tool_call(call: ToolCall | ToolResult, tools: Mapping[str, Tool]) -> Too
 
 
 def run_tool_calls(calls: Sequence[ToolCall | ToolResult], tools: Mapping[str, Tool], *,
-                   max_workers: int = 16) -> list[ToolResult]:
-    """Run calls (of one or many samples) concurrently on up to `max_workers` threads; results in order."""
-    if len(calls) <= 1:
-        return [run_tool_call(c, tools) for c in calls]
-    with ThreadPoolExecutor(min(max_workers, len(calls)), thread_name_prefix="tool-call") as pool:
-        return list(pool.map(lambda c: run_tool_call(c, tools), calls))
+                   max_workers: int = 16, timeout_s: float | None = None) -> list[ToolResult]:
+    """Run calls (of one or many samples) concurrently on up to `max_workers` threads; results in order.
+
+    `timeout_s`: a call that has not returned by then (a custom tool that hangs; the python tool
+    bounds itself with its wall-clock limit) is answered with a tool error and left behind on its
+    thread, so the episode goes on; None: wait as long as the tools take.
+    """
+    if not calls:
+        return []
+    if timeout_s is None and len(calls) == 1:
+        return [run_tool_call(calls[0], tools)]
+    pool = ThreadPoolExecutor(min(max_workers, len(calls)), thread_name_prefix="tool-call")
+    try:
+        futures = [pool.submit(run_tool_call, c, tools) for c in calls]
+        done, _ = wait(futures, timeout=timeout_s)
+        return [f.result() if f in done else ToolResult(
+            ok=False, error=f"tool {getattr(c, 'name', '?')!r} did not return within {timeout_s:g} s "
+                            "(rollout.multi_turn.tool_timeout_s)") for f, c in zip(futures, calls)]
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def format_tool_response(result: ToolResult, *, fmt: str = "hermes") -> str:

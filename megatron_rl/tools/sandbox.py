@@ -110,6 +110,12 @@ class SandboxConfig:
                 raise ValueError(f"sandbox {name}={getattr(self, name)!r} is out of range (see SandboxConfig.{name})")
         if not isinstance(self.preload_modules, list) or not all(isinstance(m, str) for m in self.preload_modules):
             raise TypeError(f"sandbox preload_modules must be a list of module names, got {self.preload_modules!r}")
+        if not isinstance(self.readable_paths, list) or not all(isinstance(p, str) for p in self.readable_paths):
+            # a bare string would be iterated character by character: "/" makes the whole filesystem readable
+            raise ValueError(f"sandbox readable_paths must be a list of paths, got {self.readable_paths!r}")
+        for name in ("network_namespace", "pid_namespace", "landlock", "audit_hook", "require_network_isolation"):
+            if not isinstance(getattr(self, name), bool):  # 'false' (a string) would leave the layer on
+                raise ValueError(f"sandbox {name} must be true or false, got {getattr(self, name)!r}")
 
 
 @dataclass(kw_only=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from test_vllm_cpu_live import VLLM_PYTHON, WHY
+from tests.live.vllm_live import VLLM_PYTHON, WHY
 
 REPO = Path(__file__).resolve().parents[2]
 MODEL = REPO / "examples" / "tiny" / "tool_base_model"

@@ -316,3 +316,41 @@ def test_routing_across_turns(tok, python_tool):
     assert r.shape == (len(prompt) + len(res.output_ids) - 1, 2, 1)
     first = len(prompt) + len(t1) - 1
     assert (r[:first] == 1).all() and (r[first:] == 2).all()
+
+
+class Hangs(Tool):
+    name = "hang"
+    parameters = {"type": "object", "properties": {}, "required": []}
+
+    def call(self, arguments):
+        import threading
+
+        threading.Event().wait(30)  # a custom tool that does not return in time
+        return ToolResult(ok=True, output="late")
+
+
+def test_breaker_inputs_become_tool_errors(tok):
+    """From the breaker pass: JSON nested past the recursion limit and a number of 5000 digits are
+    tool errors, not exceptions in the trainer; a tool that hangs is answered at tool_timeout_s."""
+    from megatron_rl.tools.parsing import parse_tool_calls
+
+    deep = parse_tool_calls("<tool_call>" + "[" * 5000 + "</tool_call>", fmt="hermes")
+    big = parse_tool_calls('<tool_call>{"name": "x", "arguments": {"n": ' + "9" * 5000 + '}}</tool_call>', fmt="hermes")
+    assert [r.ok for r in deep + big] == [False, False]
+    assert "cannot be read" in deep[0].error or "invalid JSON" in deep[0].error
+    t1 = enc(tok, '<tool_call>{"name": "hang", "arguments": {}}</tool_call>') + [tok.eos_token_id]
+    engine = ScriptedEngine([(t1, "eos", 0), (enc(tok, "Answer: 1") + [tok.eos_token_id], "eos", 0)])
+    ep = Episode([1, 5], 400)
+    _env(tok, {"hang": Hangs()}, format="hermes", tool_timeout_s=0.5).run(ep, engine, {"max_new_tokens": 400}, "r")
+    res = ep.result()
+    _, a, b = res.episode["segments"][1]
+    assert "did not return within 0.5 s" in tok.decode(res.output_ids[a:b])
+
+
+def test_sandbox_config_types():
+    from megatron_rl.tools.sandbox import SandboxConfig
+
+    with pytest.raises(ValueError, match="readable_paths must be a list"):
+        SandboxConfig(readable_paths="/usr")
+    with pytest.raises(ValueError, match="landlock must be true or false"):
+        SandboxConfig(landlock="false")
