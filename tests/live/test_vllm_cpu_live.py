@@ -186,15 +186,21 @@ def test_in_place_pause_carries_requests_in_flight_across_a_gloo_update(vllm_eng
     pool = ThreadPoolExecutor(len(prompts))
     try:
         # the reference: the same requests, together as below (the same batches), with no update
+        t_ref = time.perf_counter()
         together = [pool.submit(client.generate, p, dict(params), f"ref-{i}-{time.monotonic_ns()}")
                     for i, p in enumerate(prompts)]
         reference = [f.result(timeout=120) for f in together]
+        t_ref = time.perf_counter() - t_ref  # how long the requests take on this machine now
         sender.init_group()
         start = _generated_tokens(servers[1].base_url)
         running = [pool.submit(client.generate, p, dict(params), f"inplace-{i}-{time.monotonic_ns()}")
                    for i, p in enumerate(prompts)]
         # pause once both have some tokens (vLLM's own counter), whatever the load of the machine
-        while _generated_tokens(servers[1].base_url) - start < 10 * len(prompts) and not any(f.done() for f in running):
+        # (vLLM's counter lags its steps: on an idle machine the requests can end before it moves, so
+        # also pause at a third of the reference's time)
+        t_sub = time.perf_counter()
+        while (_generated_tokens(servers[1].base_url) - start < 10 * len(prompts)
+               and time.perf_counter() - t_sub < t_ref / 3 and not any(f.done() for f in running)):
             time.sleep(0.005)
         assert not any(f.done() for f in running), "the requests ended before the pause: make them longer"
         sender.begin_update(pause_mode="in_place")
