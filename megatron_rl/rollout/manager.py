@@ -600,7 +600,8 @@ class RolloutManager:
         groups = []
         for i, res_group, rew_group in zip(indices, results, rewards):
             row = rows[i]
-            lengths = torch.tensor([len(r.output_ids) for r in res_group], dtype=torch.long)
+            # the model's own tokens: a multi-turn episode's tool answers are not its length (CASES.md overlong (a))
+            lengths = torch.tensor([len(model_token_ids(r)) for r in res_group], dtype=torch.long)
             if enable:
                 pens = overlong_penalty(lengths, max_response_length=self.max_response_length,
                                         overlong_buffer_len=buf_len, penalty_factor=factor).tolist()

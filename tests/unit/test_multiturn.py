@@ -354,3 +354,19 @@ def test_sandbox_config_types():
         SandboxConfig(readable_paths="/usr")
     with pytest.raises(ValueError, match="landlock must be true or false"):
         SandboxConfig(landlock="false")
+
+
+def test_overlong_penalty_counts_the_models_tokens_only():
+    """CASES.md (overlong shaping, OpenRLHF #1243) case (a): max 4096, buffer 1024, factor 1: 3000
+    generated tokens plus 1500 tool-output tokens (mask 0) get no penalty (the buggy length 4500
+    gives -1.0)."""
+    from megatron_rl.algorithms.reward_shaping import overlong_penalty
+    from megatron_rl.rollout.multiturn import model_token_ids
+
+    res = GenerateResult(rid="r", output_ids=[7] * 4500, output_logprobs=[0.0] * 4500, finish_type="stop",
+                         matched_stop=None, stop_reason="eos", prompt_tokens=3, completion_tokens=4500,
+                         weight_version="0", response_mask=tuple([True] * 1500 + [False] * 1500 + [True] * 1500))
+    length = torch.tensor([len(model_token_ids(res))])
+    assert overlong_penalty(length, max_response_length=4096, overlong_buffer_len=1024, penalty_factor=1.0).tolist() == [0.0]
+    assert overlong_penalty(torch.tensor([4500]), max_response_length=4096, overlong_buffer_len=1024,
+                            penalty_factor=1.0).tolist() == [-1.0]
