@@ -128,6 +128,11 @@ base.WeightTransferEngine = WeightTransferEngine
 for name in ("vllm", "vllm.distributed", "vllm.distributed.weight_transfer"):
     sys.modules[name] = types.ModuleType(name)
 sys.modules[base.__name__] = base
+reload = types.ModuleType("vllm.model_executor.model_loader.reload")  # finalized after a failed update
+reload.finalize_layerwise_reload = lambda model, model_config: print("finalized", flush=True)
+for name in ("vllm.model_executor", "vllm.model_executor.model_loader"):
+    sys.modules[name] = types.ModuleType(name)
+sys.modules[reload.__name__] = reload
 torch.accelerator.synchronize = lambda *a: (_ for _ in ()).throw(RuntimeError("no accelerator on CPU"))
 
 from megatron_rl_vllm_gloo.engine import GlooWeightTransferEngine
@@ -145,6 +150,21 @@ except ValueError as e:
     print("packed refused:", e, flush=True)
 engine.init_transfer_engine(engine.parse_init_info(info))
 engine.update_weights({"names": ["a", "b"], "dtype_names": ["float32", "bfloat16"], "shapes": [[2, 3], [4]]})
+first = list(engine.model.loaded)
+
+class Failing(Model):  # the load of "d" fails: the rest must still be received (the trainer's broadcast completes)
+    loaded = []
+    def load_weights(self, weights):
+        if weights[0][0] == "d": raise RuntimeError("load of d failed")
+        super().load_weights(weights)
+import megatron_rl_vllm_gloo.engine as eng
+eng.RECEIVE_AHEAD_BYTES = 8  # at most one tensor ahead of the load
+engine.model = Failing()
+try:
+    engine.update_weights({"names": list("cdef"), "dtype_names": ["float32"] * 4, "shapes": [[3]] * 4})
+except RuntimeError as e:
+    print("update failed:", e, [n for n, _ in engine.model.loaded], flush=True)
+engine.model.loaded = first
 engine.shutdown()
 
 from megatron_rl_vllm_gloo.engine import refresh_cpu_lm_heads
@@ -162,7 +182,9 @@ print(json.dumps({n: [str(w.dtype), w.float().tolist()] for n, w in engine.model
 
 def test_gloo_plugin_engine_receives_from_the_trainers_group():
     """The plugin's worker side joins ``megatron_rl.weight_sync.group``'s group (the trainer's, rank 0),
-    receives one broadcast per tensor in the posted order and dtype and loads each; packed is refused;
+    receives one broadcast per tensor in the posted order and dtype and loads each (received on a thread
+    ahead of the loads: `received`); a load that fails stops the loads but every broadcast of the update
+    is still received, so the trainer's collective completes; packed is refused;
     no accelerator synchronize on CPU; only CPU embedding-method layers are repacked after an update
     (`refresh_cpu_lm_heads`). vLLM itself is stubbed (its base class), in a subprocess."""
     from megatron_rl.ports import find_free_port
@@ -181,6 +203,8 @@ def test_gloo_plugin_engine_receives_from_the_trainers_group():
     try:
         for t in (a, b):
             torch.distributed.broadcast(t, src=0, group=pg)
+        for k in range(4):  # the second update: every broadcast completes although the load of "d" fails
+            torch.distributed.broadcast(torch.full((3,), float(k)), src=0, group=pg)
         out, err = worker.communicate(timeout=60)
     finally:
         destroy_custom_process_group(pg)
@@ -189,6 +213,7 @@ def test_gloo_plugin_engine_receives_from_the_trainers_group():
     assert worker.returncode == 0, err[-2000:]
     lines = out.strip().splitlines()
     assert lines[0].startswith("packed refused: the gloo weight transfer receives one broadcast per tensor")
+    assert lines.index("finalized") < lines.index("update failed: load of d failed ['c']")  # received ahead, loaded in order, stopped at "d"
     assert "refreshed 1 1" in lines  # only the layer with a CPU GEMM is repacked (tied lm_head fix)
     assert json.loads(lines[-1]) == {"a": ["torch.float32", a.tolist()], "b": ["torch.bfloat16", b.float().tolist()]}
 
@@ -218,3 +243,37 @@ def test_vllm_temperature_limit_in_config_and_start_up_probe():
         _check_vllm(cfg)
     cfg.rollout.backend = "vllm-embedded"
     _check_vllm(cfg)
+
+
+def test_busy_loop_cap_also_shortens_the_idle_recheck(monkeypatch):
+    """`shorten_shm_busy_loop` caps vLLM's SpinCondition busy loop and its idle readers' recheck interval
+    (5 s in vLLM 0.32): with the cap alone a lost zmq notification stalled the engine 5 s (3 of 10
+    rounds of 96 requests, measured); vLLM's module is stubbed with the names the plugin touches."""
+    import importlib
+    import types
+
+    monkeypatch.syspath_prepend(str(REPO / "plugins" / "vllm_gloo"))
+    plugin = importlib.import_module("megatron_rl_vllm_gloo")
+
+    shm = types.ModuleType("vllm.distributed.device_communicators.shm_broadcast")
+
+    class SpinCondition:
+        def __init__(self, busy_loop_s=1):
+            self.busy_loop_s = busy_loop_s
+
+    shm.SpinCondition, shm.SHM_READER_RECHECK_INTERVAL_MS = SpinCondition, 5000
+    comm = types.ModuleType("vllm.distributed.device_communicators")
+    comm.shm_broadcast = shm
+    for name, mod in (("vllm", types.ModuleType("vllm")), ("vllm.distributed", types.ModuleType("vllm.distributed")),
+                      (comm.__name__, comm), (shm.__name__, shm)):
+        monkeypatch.setitem(sys.modules, name, mod)
+    sys.modules["vllm.distributed"].device_communicators = comm
+    monkeypatch.delenv(plugin.SHM_BUSY_LOOP_ENV, raising=False)
+    assert plugin.shorten_shm_busy_loop() is None and shm.SHM_READER_RECHECK_INTERVAL_MS == 5000
+    monkeypatch.setenv(plugin.SHM_BUSY_LOOP_ENV, "0.005")
+    assert plugin.shorten_shm_busy_loop() == 0.005
+    assert SpinCondition().busy_loop_s == 0.005 and SpinCondition(0.001).busy_loop_s == 0.001
+    assert shm.SHM_READER_RECHECK_INTERVAL_MS == plugin.SHM_RECHECK_MS == 20
+    monkeypatch.setenv(plugin.SHM_BUSY_LOOP_ENV, "-1")
+    with pytest.raises(ValueError, match="must be >= 0"):
+        plugin.shorten_shm_busy_loop()

@@ -9,11 +9,14 @@ own environment.
 
 import os
 
-__all__ = ["BACKEND", "SHM_BUSY_LOOP_ENV", "register", "shorten_shm_busy_loop"]
+__all__ = ["BACKEND", "SHM_BUSY_LOOP_ENV", "SHM_RECHECK_MS", "register", "shorten_shm_busy_loop"]
 
 BACKEND = "gloo"
 """The name to give ``--weight-transfer-config '{"backend": "gloo"}'``."""
 
+
+SHM_RECHECK_MS = 20
+"""Recheck interval of an idle reader (ms) while the busy-loop cap is on (vLLM: 5000, fixed)."""
 
 SHM_BUSY_LOOP_ENV = "MEGATRON_RL_VLLM_SHM_BUSY_LOOP_S"
 """Seconds a vLLM worker keeps spinning on its shared-memory queue after a message (vLLM: 1 s, fixed);
@@ -51,6 +54,8 @@ def shorten_shm_busy_loop() -> float | None:
 
         cls.__init__ = __init__
     cls._megatron_rl_busy_loop_cap = cap
+    # read by ReadTimeoutWithWarnings.timeout_ms() at every wait, from the module's globals
+    shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = min(shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS, SHM_RECHECK_MS)
     return cap
 
 
