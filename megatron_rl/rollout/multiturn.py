@@ -10,7 +10,8 @@ for a single completion) and appends its own tokens between turns. `Episode` ass
   as the engine returned them, then the environment's tokens (encoded as the template's text
   encodes them: `tool_answer_ids`, CASES.md T01). Nothing is re-tokenised from text (chat templates
   are not append-only, and BPE merges across a boundary would change the tokens); turn k + 1's
-  request is exactly prompt + everything before it, so the trainer's sequence equals what the engine saw (`Episode.segments` records the parts).
+  request is exactly prompt + everything before it, so the trainer's sequence equals what the
+  engine saw (`Episode.segments` records the parts).
 - **loss mask** (`GenerateResult.response_mask`): True on the model's tokens, False on tool answers
   and template tokens the environment wrote; their rollout log-probs are 0.0 (never used: masked).
 - **weight-version spans** of each turn shifted to the turn's place in the response
