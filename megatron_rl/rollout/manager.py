@@ -44,7 +44,7 @@ from megatron_rl.algorithms.reward_shaping import overlong_penalty
 from megatron_rl.data.dataset import PromptRow
 from megatron_rl.data.prompts import render_prompt_ids
 from megatron_rl.rollout.live import concat_spans, spans_of
-from megatron_rl.rollout.multiturn import Episode, episode_stats, model_token_ids
+from megatron_rl.rollout.multiturn import RESTART_EPISODE, episode_stats, model_token_ids, run_episode
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,8 @@ class Sample:
     acc: bool = False
     """Raw correctness from the verifier."""
     failed: bool = False
-    """The verifier failed or timed out: excluded from the group's statistics, advantage 0."""
+    """The verifier failed or timed out, or a tool's infrastructure failed in the episode (CASES.md
+    T10): excluded from the group's statistics, advantage 0, loss mask 0."""
     format_valid: bool = False
     overlong_penalty: float = 0.0
     advantage: float = 0.0
@@ -352,20 +353,24 @@ class RolloutManager:
                 logger.info("retrying %s (attempt %d)", what, attempt + 2)
         raise RolloutServerError(f"{what} got no answer from any rollout server")
 
-    def generate_ids(self, ids: list[int], params: dict, rid: str, key: int = 0):
+    def generate_ids(self, ids: list[int], params: dict, rid: str, key: int = 0, *, restart: bool = False):
         """One response to the prompt `ids` ([prompt length] token ids) with SGLang `params`
         (`max_new_tokens` and `sampling_seed` included) as a `GenerateResult` whose `version_spans`
         are set, resubmitted across live weight updates (module docstring): attempt k > 0 goes out
         as `{rid}-a{k}`; a continuation (partial rollout) is sent as prompt + prefix with the
         remaining `max_new_tokens` and its own seed, and the parts' tokens, log-probs and spans are
-        concatenated. Ends with finish type `abort` only for the manager's own aborts or a failure.
+        concatenated. Ends with finish type `abort` only for the manager's own aborts or a failure,
+        or, with `restart` (a turn of an episode without partial rollouts), for a request that would
+        be resubmitted: then once the engines continue, with `abort_message` `RESTART_EPISODE`
+        (the caller starts the whole episode again: CASES.md T09).
 
         Raises:
             RolloutServerError: no server answered, or one answered with an HTTP error.
         """
-        return self.generate_batch_ids([(ids, params, rid)], key)[0]
+        return self.generate_batch_ids([(ids, params, rid)], key, restart=restart)[0]
 
-    def generate_batch_ids(self, items: Sequence[tuple[list[int], dict, str]], key: int = 0) -> list:
+    def generate_batch_ids(self, items: Sequence[tuple[list[int], dict, str]], key: int = 0, *,
+                           restart: bool = False) -> list:
         """`generate_ids` for several (ids, params, rid) entries at once: every attempt of the
         entries still going is one `/generate` (a batch call for more than one entry, on the server
         picked for `key`); results in the order of `items`. Same resubmission rules per entry.
@@ -419,6 +424,10 @@ class RolloutManager:
                                [items[e][2] for e in again], self.pause_timeout_s)
                 break
             again = [e for e in again if not self._own_abort(items[e][2])]  # aborted by us meanwhile: dropped
+            if restart:  # the caller's episode starts again from its prompt (CASES.md T09)
+                for e in again:
+                    out[e] = dataclasses.replace(out[e], abort_message=RESTART_EPISODE)
+                break
             active = []
             for e in again:
                 res = out[e]
@@ -436,9 +445,9 @@ class RolloutManager:
     def _generate_one(self, key: int, ids: list[int], params: dict, rid: str):
         if self.environment is None:
             return self.generate_ids(ids, params, rid, key)
-        episode = Episode(ids, int(params["max_new_tokens"]))  # a multi-turn episode (rollout.multi_turn)
-        self.environment.run(episode, lambda i, p, r: self.generate_ids(i, p, r, key), params, rid)
-        return episode.result()
+        restart = not self.partial_rollout  # a turn aborted by a pause restarts its episode (CASES.md T09)
+        return run_episode(self.environment, ids, params, rid,
+                           lambda i, p, r: self.generate_ids(i, p, r, key, restart=restart))
 
     @staticmethod
     def _continuation(ids: list[int], params: dict, done, attempt: int) -> tuple[list[int], dict]:
@@ -610,7 +619,8 @@ class RolloutManager:
             uid = f"{tag}-p{i}"
             samples = []
             for res, rew, pen in zip(res_group, rew_group, pens):
-                failed = bool(rew.get("failed", False))
+                # a tool's infrastructure failed (CASES.md T10): invalid like a failed verifier, not a reward of 0
+                failed = bool(rew.get("failed", False)) or bool((res.episode or {}).get("tool_infra_failures"))
                 acc = bool(rew.get("acc", False)) and not failed
                 base = self.correct_score if acc else self.incorrect_score
                 samples.append(

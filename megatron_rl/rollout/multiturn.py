@@ -7,10 +7,11 @@ The environment calls the engine through the manager (`generate(ids, params, rid
 for a single completion) and appends its own tokens between turns. `Episode` assembles the result:
 
 - **token in, token out**: the sequence trained is the prompt, then each turn's `output_ids` exactly
-  as the engine returned them, then the environment's tokens, each part encoded on its own. Nothing
-  is re-tokenised from text (chat templates are not append-only, and BPE merges across a boundary
-  would change the tokens); turn k + 1's request is exactly prompt + everything before it, so the
-  trainer's sequence equals what the engine saw (`Episode.segments` records the parts).
+  as the engine returned them, then the environment's tokens (encoded as the template's text
+  encodes them: `tool_answer_ids`, CASES.md T01). Nothing is re-tokenised from text (chat templates
+  are not append-only, and BPE merges across a boundary would change the tokens); turn k + 1's
+  request is exactly prompt + everything before it, so the trainer's sequence equals what the
+  engine saw (`Episode.segments` records the parts).
 - **loss mask** (`GenerateResult.response_mask`): True on the model's tokens, False on tool answers
   and template tokens the environment wrote; their rollout log-probs are 0.0 (never used: masked).
 - **weight-version spans** of each turn shifted to the turn's place in the response
@@ -26,13 +27,17 @@ different samples run at the same time, each episode on its own manager thread),
 appended, and the model continues, until it writes no call, runs out of turns
 (`max_assistant_turns`) or of tokens (`data.max_response_length`, environment tokens included). Every
 problem with a call (malformed, unknown tool, bad arguments, time-out, over `max_tool_calls` or
-`max_parallel_calls`) reaches the model as a tool error with the reason.
+`max_parallel_calls`) reaches the model as a tool error with the reason; a turn cut at the token limit
+inside a call runs nothing (CASES.md T04). A failure of the tools' infrastructure
+(`ToolResult.infrastructure`) ends the episode and makes its sample invalid (CASES.md T10).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
+import re
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -46,14 +51,18 @@ from megatron_rl.tools.formats import CODE_STOP, code_response_text
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CODE_STOP", "ENVIRONMENTS", "Environment", "Episode", "ToolEnvironment", "build_environment",
-           "episode_stats", "max_overlap", "model_token_ids", "tool_answer_ids", "tool_answer_pieces",
-           "tool_answer_text", "truncate_text"]
+__all__ = ["CODE_STOP", "ENVIRONMENTS", "RESTART_EPISODE", "Environment", "Episode", "ToolEnvironment",
+           "build_environment", "episode_stats", "max_overlap", "model_token_ids", "run_episode", "tool_answer_ids",
+           "tool_answer_pieces", "tool_answer_text", "truncate_text"]
 
 ENVIRONMENTS: Registry[type] = Registry("environment")
 """Environments by name (`rollout.multi_turn.environment`); a user adds one in one file with
 `@ENVIRONMENTS.register("name")` on an `Environment` subclass."""
 
+
+RESTART_EPISODE = "aborted by a pause of the engines: the episode starts again (rollout.partial_rollout off)"
+"""`abort_message` of a turn the rollout manager did not resubmit because its episode starts again
+from its prompt (`RolloutManager.generate_ids(restart=True)`, CASES.md T09)."""
 
 Generate = Callable[[list[int], dict, str], Any]
 """`generate(ids, sampling_params, rid) -> GenerateResult`: one model turn through the rollout manager."""
@@ -71,6 +80,8 @@ class Episode:
             of each model token (0.0 on environment tokens), True on model tokens.
         segments: `(kind, start, end)` over response indices, kind `model` or `env`, in order.
         turns, tool_calls, tool_errors: counts; tool_s: seconds spent in tools (wall clock).
+        tool_infra_failures: calls that failed in the tools' infrastructure (`ToolResult.infrastructure`):
+            the episode ends there and its sample is invalid (CASES.md T10).
     """
 
     def __init__(self, prompt_ids: Sequence[int], max_tokens: int) -> None:
@@ -84,7 +95,7 @@ class Episode:
         self.routing: np.ndarray | None = None
         self.last = None
         self.stop_reason: str | None = None
-        self.turns = self.tool_calls = self.tool_errors = self.resubmissions = 0
+        self.turns = self.tool_calls = self.tool_errors = self.resubmissions = self.tool_infra_failures = 0
         self.tool_s = 0.0
         self.tool_windows: list[tuple[float, float]] = []
         self.started = time.perf_counter()
@@ -160,6 +171,7 @@ class Episode:
             response_mask=tuple(self.mask),
             episode={"turns": self.turns, "tool_calls": self.tool_calls, "tool_errors": self.tool_errors,
                      "tool_s": self.tool_s, "turn_limit": int(self.turn_limit_hit),
+                     "tool_infra_failures": self.tool_infra_failures,
                      "tool_windows": list(self.tool_windows), "episode_s": time.perf_counter() - self.started,
                      "segments": list(self.segments)})
 
@@ -243,13 +255,47 @@ def tool_answer_text(messages: Sequence[str], fmt: str) -> str:
 
 
 def tool_answer_ids(tokenizer, messages: Sequence[str], fmt: str) -> list[int]:
-    """The token ids of the tool answer: each piece encoded on its own, the tools' messages with
-    special tokens split into plain text (`split_special_tokens`), so a program that prints
-    "<|im_end|>" cannot forge a turn boundary or a chat-template header."""
+    """The token ids of the tool answer, exactly as the chat template's text encodes (CASES.md T01).
+
+    `hermes`: the pieces are joined and cut only at the special tokens of the TEMPLATE's pieces
+    (`<|im_end|>`, `<|im_start|>`: their ids as such); each maximal run of text between them (the
+    template's text and the messages together) is encoded as one string, as Hugging Face tokenizers
+    encode a rendered chat (added tokens first, then BPE on the text between): "5\n" followed by
+    the template's "\n</tool_response>" gives "\n\n" -> one id, never two. Runs are encoded with
+    `split_special_tokens`, so a program that prints "<|im_end|>" cannot forge a turn boundary or a
+    chat-template header (its characters stay plain text). `code`: each call's block encoded on its
+    own, as the tiny SFT encodes its one block (tools/train_tiny_base.py).
+
+    Returns:
+        [T] ids; with a message that holds no special token, `hermes` equals the template's
+        rendering between the assistant's <|im_end|> and the next assistant header.
+    """
     ids: list[int] = []
-    for text, template in tool_answer_pieces(messages, fmt):
-        if text:
-            ids += tokenizer.encode(text, add_special_tokens=False, split_special_tokens=not template)
+
+    def flush(run: str) -> None:
+        if run:
+            ids.extend(tokenizer.encode(run, add_special_tokens=False, split_special_tokens=True))
+
+    pieces = tool_answer_pieces(messages, fmt)
+    if fmt == "code":
+        for text, _ in pieces:
+            flush(text)
+        return ids
+    added = sorted(tokenizer.get_added_vocab(), key=len, reverse=True)
+    cut = re.compile("(" + "|".join(re.escape(t) for t in added) + ")") if added else None
+    run = ""
+    for text, template in pieces:
+        if not template or cut is None:
+            run += text
+            continue
+        for k, part in enumerate(cut.split(text)):
+            if k % 2:  # a special token the template wrote
+                flush(run)
+                run = ""
+                ids.append(int(tokenizer.convert_tokens_to_ids(part)))
+            else:
+                run += part
+    flush(run)
     return ids
 
 
@@ -340,6 +386,9 @@ class ToolEnvironment(Environment):
             episode.tool_windows.append((t0, time.perf_counter()))
             episode.tool_calls += len(runnable)
             episode.tool_errors += sum(1 for a in answers if not a.ok)
+            episode.tool_infra_failures += sum(1 for a in answers if a.infrastructure)
+            if episode.tool_infra_failures:  # not the model's doing: the sample is invalid, stop here (T10)
+                return
             messages = [truncate_text(a.to_message(), cfg.max_tool_response_length, cfg.tool_response_truncate_side)
                         for a in answers]  # unstripped: the python tool's "77\n" as the tiny SFT saw it
             ids = tool_answer_ids(self.tokenizer, messages, cfg.format)
@@ -368,6 +417,27 @@ def build_environment(cfg, tokenizer) -> Environment | None:
     return ENVIRONMENTS.get(cfg.environment)(cfg, tokenizer)
 
 
+def run_episode(environment: Environment, ids: Sequence[int], params: dict, rid: str, generate: Generate):
+    """One sample as an episode of `environment` from the prompt `ids` ([P]; `params` its sampling
+    params, `max_new_tokens` the whole budget), its turns through `generate` (the rollout manager's
+    `generate_ids`): the episode's `GenerateResult`.
+
+    A turn that comes back with `abort_message == RESTART_EPISODE` (a pause of the engines with
+    `rollout.partial_rollout` off) ends the episode; it then starts again from its prompt as
+    `{rid}-a{k}` (same seed; the tools run again), so the sample holds only the tokens of one attempt,
+    never an earlier attempt's turns at an older weight version (CASES.md T09). With partial
+    rollouts the manager continues the aborted turn itself: the tool is not run again and the turn
+    count does not move. `resubmissions` adds the restarts.
+    """
+    for attempt in itertools.count():
+        episode = Episode(ids, int(params["max_new_tokens"]))
+        environment.run(episode, generate, params, f"{rid}-a{attempt}" if attempt else rid)
+        res = episode.result()
+        if res.abort_message != RESTART_EPISODE:
+            return dataclasses.replace(res, resubmissions=res.resubmissions + attempt)
+    raise AssertionError("unreachable")
+
+
 def model_token_ids(res) -> list[int]:
     """The model's own tokens of a result (all of them for a single completion; the masked-in ones
     of an episode): what the verifier reads, so a tool's output can never be scored as the answer."""
@@ -378,7 +448,9 @@ def model_token_ids(res) -> list[int]:
 
 def episode_stats(results: Sequence[Sequence[Any]]) -> dict[str, float]:
     """Sums over [P][n] results (None: never finished) of their episodes: `rollout/episodes`,
-    `rollout/turns`, `rollout/tool_calls`, `rollout/tool_errors`, `rollout/turn_limit`, `timing/tool_s`,
+    `rollout/turns`, `rollout/tool_calls`, `rollout/tool_errors`, `rollout/turn_limit`,
+    `rollout/tool_infra_failures` (tool calls whose infrastructure failed: their samples are
+    invalid, CASES.md T10), `timing/tool_s`,
     `timing/episode_s` (seconds summed over episodes, so `timing/tool_s / timing/episode_s` is the
     share of an episode's time spent in tools),
     and `rollout/tool_concurrency_max`: the most tool runs of different samples in progress at one
@@ -390,6 +462,7 @@ def episode_stats(results: Sequence[Sequence[Any]]) -> dict[str, float]:
             "rollout/tool_calls": sum(e["tool_calls"] for e in eps),
             "rollout/tool_errors": sum(e["tool_errors"] for e in eps),
             "rollout/turn_limit": sum(e["turn_limit"] for e in eps), "timing/tool_s": sum(e["tool_s"] for e in eps),
+            "rollout/tool_infra_failures": sum(e.get("tool_infra_failures", 0) for e in eps),
             "timing/episode_s": sum(e.get("episode_s", 0.0) for e in eps),
             "rollout/tool_concurrency_max": max_overlap([w for e in eps for w in e.get("tool_windows", ())])}
 

@@ -2,7 +2,10 @@
 
 A tool never raises into the trainer for anything the model did: a bad argument, a program that
 crashes, a time-out all come back as `ToolResult(ok=False, error=reason)`. Exceptions are for the
-user's mistakes at start (a bad config) and for bugs.
+user's mistakes at start (a bad config) and for bugs. A failure of the tool's own infrastructure (the
+sandbox service unreachable, the executor crashed, a worker that never started) is not the model's
+doing: `ToolResult(ok=False, infrastructure=True)`, and the sample is marked invalid instead of
+scored (CASES.md T10).
 """
 
 from __future__ import annotations
@@ -27,6 +30,12 @@ class ToolResult:
     """Why the call failed, in words the model can act on (empty when `ok`)."""
     metrics: dict[str, Any] = field(default_factory=dict)
     """Numbers about the call for logging (`wall_s`, `truncated`, ...); never shown to the model."""
+    infrastructure: bool = False
+    """The call failed for a reason outside the model's control (a connection error, the executor
+    or sandbox crashed or never started), with `ok` False: the episode ends and its sample is
+    invalid (excluded from the group statistics, advantage 0, loss mask 0; counted in
+    `rollout/tool_infra_failures`), never scored 0 (CASES.md T10). A program the model wrote that
+    raises (`1/0`) is a normal tool output, not this."""
 
     def to_message(self) -> str:
         """The text returned to the model: the output, then `Error: ...` when the call failed."""

@@ -41,7 +41,9 @@ def _parse_hermes_body(body: str) -> ToolCall | ToolResult:
     if "arguments" not in obj:
         return ToolResult(ok=False, error=f"malformed tool call to {name!r}: no \"arguments\" in the JSON object")
     args = obj["arguments"]
-    if isinstance(args, str):  # some models write the arguments as a JSON string
+    if isinstance(args, str) and not args.strip():  # "": no arguments (miles passes {}; CASES.md T04 case 5)
+        args = {}
+    elif isinstance(args, str):  # some models write the arguments as a JSON string
         try:
             args = json.loads(args)
         except (json.JSONDecodeError, RecursionError, ValueError) as e:
@@ -69,8 +71,10 @@ def parse_tool_calls(text: str, *, fmt: str = "hermes", code_tool: str = "python
 
 
 def run_tool_call(call: ToolCall | ToolResult, tools: Mapping[str, Tool]) -> ToolResult:
-    """Run one parsed call. A parse error passes through; an unknown tool, bad arguments, or a tool
-    that raises all come back as `ToolResult(ok=False)` with the reason."""
+    """Run one parsed call. A parse error passes through; an unknown tool or bad arguments come back
+    as `ToolResult(ok=False)` with the reason; a tool that raises (tools never raise for the model's
+    input: a connection error, a `SandboxError`, a bug) as `ToolResult(ok=False, infrastructure=True)`
+    (CASES.md T10: the sample is invalid, not scored)."""
     if isinstance(call, ToolResult):
         return call
     tool = tools.get(call.name)
@@ -82,9 +86,9 @@ def run_tool_call(call: ToolCall | ToolResult, tools: Mapping[str, Tool]) -> Too
         return ToolResult(ok=False, error=why)
     try:
         return tool.call(call.arguments)
-    except Exception as e:  # a tool's bug must reach the model as an error, not stop the trainer
+    except Exception as e:  # the tool's infrastructure failed: never the trainer's crash, never a reward of 0
         logger.exception("tool %r raised", call.name)
-        return ToolResult(ok=False, error=f"tool {call.name!r} failed: {type(e).__name__}: {e}")
+        return ToolResult(ok=False, error=f"tool {call.name!r} failed: {type(e).__name__}: {e}", infrastructure=True)
 
 
 def run_tool_calls(calls: Sequence[ToolCall | ToolResult], tools: Mapping[str, Tool], *,

@@ -75,7 +75,7 @@ class PythonTool(Tool):
                 out = f"{out}\n[stderr]\n{r.stderr}" if out else f"[stderr]\n{r.stderr}"
             return ToolResult(ok=True, output=out, metrics=metrics)
         err = r.error + (f"\n{r.stderr.strip()[-2000:]}" if r.stderr.strip() else "")
-        return ToolResult(ok=False, output=out, error=err, metrics=metrics)
+        return ToolResult(ok=False, output=out, error=err, metrics=metrics, infrastructure=r.infrastructure)
 
     def close(self) -> None:
         """Stop the sandbox's workers."""

@@ -140,6 +140,9 @@ class SandboxResult:
     """CPU seconds the worker and its children used."""
     layers: dict[str, Any] = field(default_factory=dict)
     """The isolation layers the worker reported active (and why a missing one is missing)."""
+    infrastructure: bool = False
+    """The program never ran because the sandbox itself failed (a worker that could not start or
+    never got ready): not the program's doing (`ToolResult.infrastructure`, CASES.md T10)."""
 
     @property
     def ok(self) -> bool:
@@ -329,7 +332,8 @@ class ProcessSandbox(Sandbox):
         try:
             worker, warm = self._take()
         except OSError as e:
-            return SandboxResult(stdout="", stderr="", exit_code=None, error=f"the sandbox could not start: {e}")
+            return SandboxResult(stdout="", stderr="", exit_code=None, error=f"the sandbox could not start: {e}",
+                                 infrastructure=True)
         try:
             result = self._run_in(worker, data)
             result.layers = dict(worker.layers or {}, warm=warm)
@@ -347,7 +351,7 @@ class ProcessSandbox(Sandbox):
         cfg = self.config
         why = worker.wait_ready(self._START_TIMEOUT_S)
         if why:
-            return SandboxResult(stdout="", stderr="", exit_code=None, error=why)
+            return SandboxResult(stdout="", stderr="", exit_code=None, error=why, infrastructure=True)
         t0 = time.monotonic()
         deadline = t0 + cfg.wall_timeout_s
         try:
