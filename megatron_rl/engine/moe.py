@@ -203,11 +203,21 @@ def encode_routed_experts_npy(routing: torch.Tensor | np.ndarray, num_experts: i
     """vLLM 0.33's wire form of a routing [T, L, K] (``CompletionResponseChoice.routed_experts``):
     base64 of the ``.npy`` file (``vllm/utils/serial_utils.py numpy2base64``) of the array in the
     narrowest dtype vLLM's capturer uses, uint8 for up to 256 experts, else uint16
-    (``model_executor/layers/fused_moe/routed_experts_capturer.py``)."""
+    (``model_executor/layers/fused_moe/routed_experts_capturer.py``). The dtype follows the
+    model's expert count, never the ids of one request (CASES.md M08).
+
+    Raises:
+        ValueError: an id outside ``[0, num_experts)`` (checked in int64: a narrower cast would
+            wrap it silently, 300 -> 44 in uint8).
+    """
     import io
 
     arr = routing.numpy() if isinstance(routing, torch.Tensor) else np.asarray(routing)
-    arr = arr.astype(np.uint8 if num_experts <= 256 else np.uint16)
+    wide = arr.astype(np.int64)
+    if wide.size and (int(wide.min()) < 0 or int(wide.max()) >= num_experts):
+        raise ValueError(f"routed experts in [{int(wide.min())}, {int(wide.max())}] outside the model's "
+                         f"[0, {num_experts})")
+    arr = wide.astype(np.uint8 if num_experts <= 256 else np.uint16)
     with io.BytesIO() as buf:
         np.save(buf, arr, allow_pickle=False)
         return base64.b64encode(buf.getbuffer()).decode("ascii")

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["RoutedRows", "dp_rows", "hand_out"]
+__all__ = ["RoutedRows", "dp_rows", "fill_pad_rows", "hand_out", "pad_routes"]
 
 
 @dataclass
@@ -51,7 +51,8 @@ class RoutedRows:
         """
         if len(rows) != len(lengths):
             raise ValueError(f"build_train_batch: {len(rows)} routed_experts rows for {len(lengths)} sequences")
-        tensors = [torch.as_tensor(r) for r in rows]
+        # int64 before any range check: torch has no CPU max/min for uint16/uint32 (CASES.md M08)
+        tensors = [torch.as_tensor(r).to(torch.int64) for r in rows]
         shapes = {tuple(t.shape[1:]) for t in tensors}
         if len(shapes) != 1 or any(t.dim() != 3 for t in tensors):
             raise ValueError(f"build_train_batch: routed_experts rows must be [tokens, layers, top-k] with one [layers, "
@@ -116,7 +117,8 @@ class RoutedRows:
 
     def padded(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(routed [B, width, L, K] int64, valid [B, width] bool)``: positions without routing
-        (the last token, padding) hold the filler ids ``0..K-1`` and are False in ``valid``.
+        (the last token, padding) hold the placeholder ids ``0..K-1`` and are False in ``valid``
+        (the replay refills them in megatron's token order: `fill_pad_rows`).
 
         Raises:
             ValueError: a row this rank does not hold, or one longer than `width`.
@@ -133,6 +135,66 @@ class RoutedRows:
             routed[i, : r.shape[0]] = r
             valid[i, : r.shape[0]] = True
         return routed, valid
+
+
+def pad_routes(n: int, topk: int, num_experts: int, ep_size: int = 1) -> torch.Tensor:
+    """Expert ids for `n` positions that route nothing real (padding, the never-fed-back last token,
+    packing's alignment): ``[n, topk]`` int64, each row `topk` distinct ids in ``[0, num_experts)``.
+
+    Pad rows still go through expert dispatch (CASES.md M03). A repeated id in a row collapses in
+    megatron-core's routing map (tokens x k assignments no longer hold); the same pair in every
+    row puts all pad work on one expert-parallel rank. So the ids are taken in "rank-first" order
+    (slime PR 2308): expert ``r * (E / EP) + j`` of EP rank r is the ``j * EP + r``-th, and pad row p
+    takes entries ``p * k .. p * k + k - 1`` of that order (mod E): consecutive assignments visit the
+    EP ranks in turn, so the ranks' pad assignments differ by at most 1. E=8, EP=4, k=2, n=4:
+    ``[[0, 2], [4, 6], [1, 3], [5, 7]]``.
+
+    Raises:
+        ValueError: ``topk > num_experts``, or `ep_size` not dividing `num_experts`.
+    """
+    if not 1 <= topk <= num_experts or ep_size < 1 or num_experts % ep_size:
+        raise ValueError(f"pad_routes: need 1 <= topk ({topk}) <= num_experts ({num_experts}) and ep_size "
+                         f"({ep_size}) dividing num_experts")
+    per_rank = num_experts // ep_size
+    order = torch.arange(num_experts).view(ep_size, per_rank).t().reshape(-1)  # rank-first
+    slots = torch.arange(n * topk).view(n, topk) % num_experts
+    return order[slots]
+
+
+def fill_pad_rows(routes: torch.Tensor, valid: torch.Tensor | None = None, *, num_experts: int,
+                  ep_size: int = 1) -> torch.Tensor:
+    """`routes` ``[T, ..., K]`` (megatron's token order, e.g. ``[T, L, K]``) with its pad rows
+    refilled by `pad_routes` in order of appearance; the other rows are returned unchanged (a copy).
+
+    Args:
+        routes: expert ids, int.
+        valid: ``[T]`` bool, False = a pad row (whatever it holds); None = the pad rows are those
+            whose ids are all negative (a ``-1`` sentinel).
+        num_experts, ep_size: the model's experts per layer and its expert-parallel size.
+
+    Raises:
+        ValueError: a row that is partly valid (some ids negative, some not; with `valid`, a valid
+            row holding a negative id) or holds an id >= num_experts: it cannot be repaired by
+            filling. The message names the row.
+    """
+    routes = routes.to(torch.int64)
+    flat = routes.reshape(routes.shape[0], -1)
+    negative = flat < 0
+    if valid is None:
+        valid = ~negative.all(dim=1)
+    valid = valid.to(torch.bool).reshape(-1)
+    bad = (negative.any(dim=1) | (flat >= num_experts).any(dim=1)) & valid
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0])
+        raise ValueError(f"routed_experts: row {row} is partly valid or out of range ({flat[row].tolist()}, "
+                         f"{num_experts} experts): such a row cannot be filled")
+    out = routes.clone()
+    pads = (~valid).nonzero().reshape(-1)
+    if pads.numel():
+        fill = pad_routes(pads.numel(), routes.shape[-1], num_experts, ep_size)  # [n, K]
+        out[pads] = fill.view(pads.numel(), *([1] * (routes.dim() - 2)), routes.shape[-1]).expand(
+            pads.numel(), *routes.shape[1:])
+    return out
 
 
 def dp_rows(n: int, mini_batch_sequences: int | None, dp_size: int, dp_rank: int) -> list[int]:

@@ -68,14 +68,22 @@ class RoutingReplay:
         topk: the routers' top-k (``moe_router_topk``); a batch whose routing has another K is refused.
         tp_group: this rank's tensor-parallel group (used when ``tp_size`` > 1): the routing is sent
             once per TP group and broadcast within it (`routed_rows.hand_out`).
+        num_experts, ep_size: experts per MoE layer and the expert-parallel size, for the ids of
+            the positions without routing (`routed_rows.fill_pad_rows`: distinct, spread over the EP
+            ranks; CASES.md M03); None = read from the model's config (``num_moe_experts``,
+            ``expert_model_parallel_size``).
 
     The metric's counts are summed over the default process group by :meth:`mismatch_metrics`;
     TP ranks without sequence parallelism see the same tokens, so only TP rank 0 counts then.
     """
 
     def __init__(self, model, *, replay: bool, tp_rank: int = 0, tp_size: int = 1, sequence_parallel: bool = False,
-                 num_layers: int, topk: int | None = None, tp_group=None) -> None:
+                 num_layers: int, topk: int | None = None, tp_group=None, num_experts: int | None = None,
+                 ep_size: int | None = None) -> None:
         chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+        config = getattr(_unwrap(chunks[0]), "config", None) if chunks else None
+        self.num_experts = num_experts or getattr(config, "num_moe_experts", None)
+        self.ep_size = ep_size or getattr(config, "expert_model_parallel_size", None) or 1
         self._routers = {id(_unwrap(m)): model_routers(m) for m in chunks}
         self.replay = replay
         self.tp_rank, self.tp_size, self.sp = tp_rank, tp_size, sequence_parallel
@@ -115,7 +123,10 @@ class RoutingReplay:
 
     # ---- per micro-batch -----------------------------------------------------------------------
     def _token_order(self, per_row: torch.Tensor, mb) -> torch.Tensor:
-        """[B, S, ...] per-position values -> megatron's [S*B (/tp), ...] router order."""
+        """[B, S, ...] per-position values -> megatron's [S*B (/tp), ...] router order (CASES.md M01):
+        row ``s * B + b`` is position s of batch row b; under sequence parallelism this TP rank's
+        contiguous chunk of that order; packed rows: each sequence's positions back to back at its
+        packed slots, the alignment pads after them."""
         packing = getattr(mb, "packing", None)
         if packing is not None:  # packed rows [R, Lp]: each real position goes to its packed slot
             r, lp = packing.input_ids.shape
@@ -127,10 +138,11 @@ class RoutingReplay:
             idx = packing.index.reshape(-1)
             flat[idx[real]] = per_row.reshape(-1, *per_row.shape[2:])[real]
             per_row = flat.view(r, lp, *per_row.shape[2:])
-        seq_first = per_row.transpose(0, 1)  # [S, B, ...]
-        if self.sp and self.tp_size > 1:
-            seq_first = torch.chunk(seq_first, self.tp_size, dim=0)[self.tp_rank]
-        return seq_first.reshape(-1, *per_row.shape[2:]).contiguous()
+        flat = per_row.transpose(0, 1).reshape(-1, *per_row.shape[2:])  # [S*B, ...]: token s * B + b
+        if self.sp and self.tp_size > 1:  # this rank's contiguous 1/TP of that order: megatron's split of
+            # S whenever S % TP == 0 (which megatron needs; CASES.md M01 also gives S=3, TP=2: 3 rows each)
+            flat = torch.chunk(flat, self.tp_size, dim=0)[self.tp_rank]
+        return flat.contiguous()
 
     def before_forward(self, model, mb, *, measure: bool) -> None:
         """Set `mb`'s routing on `model`'s routers for the coming forward.
@@ -166,8 +178,14 @@ class RoutingReplay:
                              "model")
         columns = [rr.column(layer) for layer, _ in routers]
         routed, valid = rr.padded(mb.input_ids.shape[1])  # [B, S, L_held, K] int64: one micro-batch widened
+        ordered_valid = self._token_order(valid, mb)  # [T]
         ordered = self._token_order(routed, mb)  # [T, L_held, K]
-        ordered_valid = self._token_order(valid, mb) if measure else None  # [T]
+        if self.num_experts:  # the positions without routing: distinct ids spread over the EP ranks
+            from megatron_rl.trainer.routed_rows import fill_pad_rows
+
+            ordered = fill_pad_rows(ordered, ordered_valid, num_experts=self.num_experts, ep_size=self.ep_size)
+        if not measure:
+            ordered_valid = None
         self._measure = measure
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 

@@ -26,6 +26,8 @@ def _moe(**overrides) -> dict:
 
 
 def test_qwen3_moe_maps_to_megatron_moe_fields():
+    """The HF -> megatron MoE fields (CASES.md M07's flag mapping; its exact weights and the
+    norm_topk_prob=False model check: tests/unit/test_cases_moe.py)."""
     tf = build_transformer_config(_moe(), expert_model_parallel_size=2, moe_aux_loss_coeff=0.01,
                                   moe_router_load_balancing_type="aux_loss")
     assert (tf.num_moe_experts, tf.moe_router_topk, tf.moe_ffn_hidden_size) == (4, 2, 32)
@@ -75,6 +77,8 @@ def test_transformers5_num_local_experts_is_read():
     ({"scoring_func": "sigmoid"}, "scoring_func"),
 ])
 def test_unsupported_moe_keys_are_refused_by_name(override, key):
+    """Refusals naming the HF key (dense-first layers: CASES.md M05, with first_k_dense_replace in
+    tests/unit/test_cases_moe.py)."""
     with pytest.raises(ValueError, match=key):
         moe_spec(_moe(**override))
     with pytest.raises(ValueError, match=key):
