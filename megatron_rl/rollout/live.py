@@ -115,6 +115,7 @@ class GenerationGate:
         self._paused = False
         self._inflight: dict[str, int | None] = {}
         self._stale: set[str] = set()
+        self._floor: int | None = None
 
     @property
     def version(self) -> int | None:
@@ -171,11 +172,20 @@ class GenerationGate:
 
     def take_stale(self, min_version: int) -> list[str]:
         """The in-flight requests whose oldest version is below ``min_version`` (sorted), marked
-        stale: once aborted they are resubmitted from scratch, never with their prefix."""
+        stale: once aborted they are resubmitted from scratch, never with their prefix. Raises
+        ``stale_floor`` to ``min_version``."""
         with self._cv:
             rids = sorted(r for r, v in self._inflight.items() if v is not None and v < min_version)
             self._stale.update(rids)
+            self._floor = min_version if self._floor is None else max(self._floor, min_version)
             return rids
+
+    @property
+    def stale_floor(self) -> int | None:
+        """The highest ``min_version`` of ``take_stale`` so far (None before any): a multi-turn
+        episode with a token older than this restarts (``multiturn.run_episode``), as a single
+        request in flight would have been aborted."""
+        return self._floor
 
     def pop_stale(self, rid: str) -> bool:
         """Whether ``rid`` was marked stale (forgets the mark)."""

@@ -353,7 +353,8 @@ class RolloutManager:
                 logger.info("retrying %s (attempt %d)", what, attempt + 2)
         raise RolloutServerError(f"{what} got no answer from any rollout server")
 
-    def generate_ids(self, ids: list[int], params: dict, rid: str, key: int = 0, *, restart: bool = False):
+    def generate_ids(self, ids: list[int], params: dict, rid: str, key: int = 0, *, restart: bool = False,
+                     oldest: int | None = None):
         """One response to the prompt `ids` ([prompt length] token ids) with SGLang `params`
         (`max_new_tokens` and `sampling_seed` included) as a `GenerateResult` whose `version_spans`
         are set, resubmitted across live weight updates (module docstring): attempt k > 0 goes out
@@ -362,15 +363,17 @@ class RolloutManager:
         concatenated. Ends with finish type `abort` only for the manager's own aborts or a failure,
         or, with `restart` (a turn of an episode without partial rollouts), for a request that would
         be resubmitted: then once the engines continue, with `abort_message` `RESTART_EPISODE`
-        (the caller starts the whole episode again: CASES.md T09).
+        (the caller starts the whole episode again: CASES.md T09). `oldest`: an episode's turn, the oldest
+        version of the episode's tokens so far: the request's oldest for the stale aborts, and a stale
+        abort ends it as `RESTART_EPISODE` (its earlier turns are as stale).
 
         Raises:
             RolloutServerError: no server answered, or one answered with an HTTP error.
         """
-        return self.generate_batch_ids([(ids, params, rid)], key, restart=restart)[0]
+        return self.generate_batch_ids([(ids, params, rid)], key, restart=restart, oldest=oldest)[0]
 
     def generate_batch_ids(self, items: Sequence[tuple[list[int], dict, str]], key: int = 0, *,
-                           restart: bool = False) -> list:
+                           restart: bool = False, oldest: int | None = None) -> list:
         """`generate_ids` for several (ids, params, rid) entries at once: every attempt of the
         entries still going is one `/generate` (a batch call for more than one entry, on the server
         picked for `key`); results in the order of `items`. Same resubmission rules per entry.
@@ -396,9 +399,9 @@ class RolloutManager:
             gate = self.gate
             epoch, submitted = gate.pause_epoch, gate.version
             for e, sub in zip(active, subs):
-                oldest = min((v for v, _ in done[e].version_spans), default=submitted) if done[e] is not None \
+                own = min((v for v, _ in done[e].version_spans), default=submitted) if done[e] is not None \
                     else submitted
-                gate.register(sub[2], oldest)
+                gate.register(sub[2], min((v for v in (own, oldest) if v is not None), default=None))
             stale = {}
             try:
                 answers = self._post(key, subs)
@@ -424,7 +427,7 @@ class RolloutManager:
                                [items[e][2] for e in again], self.pause_timeout_s)
                 break
             again = [e for e in again if not self._own_abort(items[e][2])]  # aborted by us meanwhile: dropped
-            if restart:  # the caller's episode starts again from its prompt (CASES.md T09)
+            if restart or (oldest is not None and any(stale[e] for e in again)):  # its episode restarts (T09)
                 for e in again:
                     out[e] = dataclasses.replace(out[e], abort_message=RESTART_EPISODE)
                 break
@@ -446,8 +449,8 @@ class RolloutManager:
         if self.environment is None:
             return self.generate_ids(ids, params, rid, key)
         restart = not self.partial_rollout  # a turn aborted by a pause restarts its episode (CASES.md T09)
-        return run_episode(self.environment, ids, params, rid,
-                           lambda i, p, r: self.generate_ids(i, p, r, key, restart=restart))
+        return run_episode(self.environment, ids, params, rid, lambda i, p, r, old: self.generate_ids(
+            i, p, r, key, restart=restart, oldest=old), self.gate)
 
     @staticmethod
     def _continuation(ids: list[int], params: dict, done, attempt: int) -> tuple[list[int], dict]:

@@ -16,6 +16,7 @@ for a single completion) and appends its own tokens between turns. `Episode` ass
   and template tokens the environment wrote; their rollout log-probs are 0.0 (never used: masked).
 - **weight-version spans** of each turn shifted to the turn's place in the response
   (`live.concat_spans`); environment tokens fall into the span before them (masked, never trained).
+  Live updates' stale aborts count from the episode's oldest token and restart it whole (`run_episode`).
 - **routing** (MoE replay): like a partial rollout's parts: the earlier turns' rows as they were
   routed, then each turn's rows from the first position they never fed back (the previous turn's
   last token and the environment's tokens, routed by this turn's prefill, then its own).
@@ -60,9 +61,11 @@ ENVIRONMENTS: Registry[type] = Registry("environment")
 `@ENVIRONMENTS.register("name")` on an `Environment` subclass."""
 
 
-RESTART_EPISODE = "aborted by a pause of the engines: the episode starts again (rollout.partial_rollout off)"
+RESTART_EPISODE = ("aborted by a pause of the engines (rollout.partial_rollout off) or as too stale: the episode "
+                   "starts again")
 """`abort_message` of a turn the rollout manager did not resubmit because its episode starts again
-from its prompt (`RolloutManager.generate_ids(restart=True)`, CASES.md T09)."""
+from its prompt (`RolloutManager.generate_ids(restart=True)`, CASES.md T09), or of a turn whose
+episode holds a token older than a live update's `stale_below` (`run_episode`)."""
 
 Generate = Callable[[list[int], dict, str], Any]
 """`generate(ids, sampling_params, rid) -> GenerateResult`: one model turn through the rollout manager."""
@@ -417,25 +420,53 @@ def build_environment(cfg, tokenizer) -> Environment | None:
     return ENVIRONMENTS.get(cfg.environment)(cfg, tokenizer)
 
 
-def run_episode(environment: Environment, ids: Sequence[int], params: dict, rid: str, generate: Generate):
+def run_episode(environment: Environment, ids: Sequence[int], params: dict, rid: str, generate, gate=None):
     """One sample as an episode of `environment` from the prompt `ids` ([P]; `params` its sampling
-    params, `max_new_tokens` the whole budget), its turns through `generate` (the rollout manager's
-    `generate_ids`): the episode's `GenerateResult`.
+    params, `max_new_tokens` the whole budget), its turns through `generate(ids, params, rid, oldest)`
+    (the rollout manager's `generate_ids`; `oldest`: the oldest weight version of the episode's
+    tokens so far, None before any): the episode's `GenerateResult`.
 
     A turn that comes back with `abort_message == RESTART_EPISODE` (a pause of the engines with
-    `rollout.partial_rollout` off) ends the episode; it then starts again from its prompt as
+    `rollout.partial_rollout` off, or a stale abort) ends the episode; it then starts again from its prompt as
     `{rid}-a{k}` (same seed; the tools run again), so the sample holds only the tokens of one attempt,
     never an earlier attempt's turns at an older weight version (CASES.md T09). With partial
-    rollouts the manager continues the aborted turn itself: the tool is not run again and the turn
-    count does not move. `resubmissions` adds the restarts.
+    rollouts the manager continues a turn aborted by a pause itself: the tool is not run again and the
+    turn count does not move. `resubmissions` adds the restarts.
+
+    Staleness is bounded by the episode's oldest token, as a single completion's by its oldest
+    (docs/ASYNC.md "Live weight updates"): each turn's request is registered with it (a live update's
+    `stale_below` above it aborts the turn, and the episode restarts whatever `partial_rollout`), and
+    a turn sent or finished once `gate.stale_floor` (the highest `stale_below` so far) is above it, e.g.
+    after an update that came while the tools ran, ends as `RESTART_EPISODE` too.
     """
     for attempt in itertools.count():
         episode = Episode(ids, int(params["max_new_tokens"]))
-        environment.run(episode, generate, params, f"{rid}-a{attempt}" if attempt else rid)
+        environment.run(episode, lambda i, p, r, ep=episode: _episode_turn(ep, generate, gate, i, p, r), params,
+                        f"{rid}-a{attempt}" if attempt else rid)
         res = episode.result()
         if res.abort_message != RESTART_EPISODE:
             return dataclasses.replace(res, resubmissions=res.resubmissions + attempt)
     raise AssertionError("unreachable")
+
+
+def _episode_turn(episode: Episode, generate, gate, ids: list[int], params: dict, rid: str):
+    """One turn of `episode` (see `run_episode`): `generate(ids, params, rid, oldest)`, or an abort with
+    `RESTART_EPISODE` when the episode's oldest version (with the turn's, once done) is below
+    `gate.stale_floor` (then without sending when it already is before)."""
+    from megatron_rl.rollout.result import GenerateResult
+
+    oldest = min((v for v, _ in episode.spans), default=None)
+    floor = None if gate is None else gate.stale_floor
+    if oldest is not None and floor is not None and oldest < floor:
+        return GenerateResult(rid=rid, output_ids=[], output_logprobs=[], finish_type="abort", matched_stop=None,
+                              stop_reason="abort", prompt_tokens=len(ids), completion_tokens=0, weight_version=None,
+                              abort_message=RESTART_EPISODE)
+    res = generate(ids, params, rid, oldest)
+    floor = None if gate is None else gate.stale_floor
+    versions = [v for v, _ in res.version_spans] + ([] if oldest is None else [oldest])
+    if res.finish_type != "abort" and floor is not None and versions and min(versions) < floor:
+        return dataclasses.replace(res, finish_type="abort", stop_reason="abort", abort_message=RESTART_EPISODE)
+    return res
 
 
 def model_token_ids(res) -> list[int]:

@@ -4,11 +4,13 @@ each with exactly the case's inputs and its hand-computed expected values.
 The engine's side of each turn is scripted (`Scripted` plays back the ids of each turn, or a fake
 rollout client behind the real `RolloutManager` for T09); tools are fakes that count their calls,
 so every number below is the case's own. T01 and T05's stop-string part need the Qwen2.5
-tokenizer of the shared data (skipped, saying so, without it).
+tokenizer of the shared data (skipped, saying so, without it). After T09: an episode's staleness
+under live updates' stale aborts counts from its oldest turn, as a single completion's from its oldest token.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -430,6 +432,155 @@ def test_T09_abort_between_turns_restarts_the_episode_without_partial_rollout():
     assert set(token_versions(list(res.version_spans), len(res.output_ids))) == {6}
     assert res.episode["turns"] == 2 and res.resubmissions == 1 and res.finish_type == "stop"
     assert len(tool.calls) == 2  # once per attempt; the attempt kept ran it once
+
+
+# ---------------------------------------------------------------- T09: staleness of an episode
+ETA = 1  # trainer.max_staleness: every live update to v passes stale_below = v - ETA
+
+
+def _publish_live(gate, version: int, log: list) -> None:
+    """What `WeightPublisher.publish(version, live=True, stale_below=version - ETA)` does to the gate:
+    mark the stale requests in flight (logged; the engine then answers them aborted), pause, update."""
+    log.append((version, gate.take_stale(version - ETA)))
+    gate.begin_pause()
+    gate.set_version(version)
+    gate.end_pause()
+
+
+class StaleClient:
+    """A rollout server answering by rid from `script` ({rid: (ids, versions published while it runs)}):
+    a request the publisher marked stale meanwhile comes back aborted, else with its tokens (the
+    server's final version only, as vLLM: the manager's fallback spans). Records the rids."""
+
+    supports_batch_generate = False
+    base_url = "fake://stale"
+
+    def __init__(self, script, gate_of):
+        self.script, self.gate_of, self.seen, self.published = script, gate_of, [], []
+
+    def generate(self, input_ids, sampling_params, rid, return_logprob=True, *, eos_token_ids=None, timeout_s=None):
+        self.seen.append(rid)
+        ids, publishes = self.script[rid]
+        gate = self.gate_of()
+        for v in publishes:
+            _publish_live(gate, v, self.published)
+        abort = any(rid in stale for _, stale in self.published[len(self.published) - len(publishes):])
+        return GenerateResult(rid=rid, output_ids=[] if abort else list(ids),
+                              output_logprobs=[] if abort else [-0.25] * len(ids),
+                              finish_type="abort" if abort else "stop", matched_stop=None,
+                              stop_reason="abort" if abort else "eos", prompt_tokens=len(input_ids),
+                              completion_tokens=0 if abort else len(ids), weight_version=str(gate.version),
+                              abort_message="Aborted" if abort else None)
+
+
+class PublishingPython(CountingPython):
+    """`CountingPython` whose first call lasts across live updates to `publishes` (the tool is slow)."""
+
+    def __init__(self, outputs, publishes, gate_of, log):
+        super().__init__(outputs)
+        self.publishes, self.gate_of, self.log = list(publishes), gate_of, log
+
+    def call(self, arguments):
+        for v in self.publishes if not self.calls else ():
+            _publish_live(self.gate_of(), v, self.log)
+        return super().call(arguments)
+
+
+def _stale_run(partial: bool, script: dict, tool_publishes=(), episode=True):
+    """Gate at v5; one response `r` through the real `RolloutManager` (an episode with the tool, or
+    a single completion); returns the client, the result and the publishes' stale marks."""
+    from megatron_rl.rollout.manager import RolloutManager
+
+    tok, holder = WordTok(), {}
+    client = StaleClient(script, lambda: holder["m"].gate)
+    tool = PublishingPython({"print(12)\n": "12345\n"}, tool_publishes, lambda: holder["m"].gate, client.published)
+    env = _env(tok, {"python": tool}, max_assistant_turns=3) if episode else None
+    m = RolloutManager([client], tokenizer=tok, reward_pool=None, reward_fn="dapo_math", max_prompt_length=16,
+                       max_response_length=64, partial_rollout=partial, pause_timeout_s=5, environment=env)
+    holder["m"] = m
+    m.gate.set_version(5)
+    try:
+        res = m._generate_one(0, [1, 6], {"max_new_tokens": 64, "sampling_seed": 7}, "r")
+    finally:
+        m.close()
+    return client, res, tool
+
+
+FULL = WordTok().encode("Answer: 12345\n") + [0]  # 8 tokens
+
+
+@pytest.mark.parametrize("partial", [True, False], ids=["partial_rollout", "no_partial_rollout"])
+def test_single_completion_stale_rule(partial):
+    """The rule an episode must follow (docs/ASYNC.md "Live weight updates"), eta = 1: a completion
+    sent at v5 and in flight across the live updates to v6 (stale_below 5: kept) and v7 (stale_below
+    6: its oldest version 5 < 6) is aborted as stale and resubmitted from scratch (never with its
+    prefix): every token at v7, staleness 0 at v7."""
+    client, res, _ = _stale_run(partial, {"r": (FULL, [6, 7]), "r-a1": (FULL, [])}, episode=False)
+    assert client.published == [(6, []), (7, ["r"])] and client.seen == ["r", "r-a1"]
+    assert res.version_spans == ((7, 0),) and res.output_ids == FULL and res.resubmissions == 1
+
+
+@pytest.mark.parametrize("partial", [True, False], ids=["partial_rollout", "no_partial_rollout"])
+def test_episode_stale_while_its_tools_run_restarts(partial):
+    """eta = 1. Turn 1 at v5; while its tool runs, live updates to v6 (stale_below 5) and v7
+    (stale_below 6). Before the fix turn 2 went out at v7 and the sample trained tokens of v5 and v7
+    (oldest 5: 2 versions behind v7 > eta). Now, as for the single completion (the test above), the
+    episode's oldest token (v5 < 6) makes it start again: turn 2 is not sent, `r-a1`, `r-a1-t1` at v7,
+    every model token at v7 (oldest 7 = the single completion's)."""
+    from megatron_rl.rollout.live import token_versions
+
+    script = {"r": (T09_CALL, []), "r-t1": (FULL, []), "r-a1": (T09_CALL, []), "r-a1-t1": (FULL, [])}
+    client, res, tool = _stale_run(partial, script, tool_publishes=[6, 7])
+    assert client.published == [(6, []), (7, [])]  # nothing in flight: the tool was running
+    assert client.seen == ["r", "r-a1", "r-a1-t1"]
+    assert res.output_ids == T09_CALL + T09_ANSWER + FULL and len(res.output_ids) == 22
+    assert set(token_versions(list(res.version_spans), 22)) == {7} and min(v for v, _ in res.version_spans) == 7
+    assert res.finish_type == "stop" and res.resubmissions == 1 and res.episode["turns"] == 2
+    assert len(tool.calls) == 2  # once per attempt
+
+
+@pytest.mark.parametrize("partial", [True, False], ids=["partial_rollout", "no_partial_rollout"])
+def test_episode_turn_stale_in_flight_restarts_the_episode(partial):
+    """eta = 1. Turn 1 at v5; the tool runs across the update to v6 (stale_below 5: a v5 token is
+    within eta of v6, nothing happens); turn 2 goes out at v6 and is in flight at the update to v7
+    (stale_below 6). Before the fix turn 2 was registered with its own version 6, not marked, and
+    the sample kept turn 1's v5 tokens beside v6/v7 ones (oldest 5); with partial rollouts, even a
+    stale turn restarted alone, keeping turn 1. Now the request carries the episode's oldest version
+    5 < 6: marked stale and aborted like the single completion, and the whole episode starts again at
+    v7 (`r-a1`, `r-a1-t1`), every token at v7."""
+    from megatron_rl.rollout.live import token_versions
+
+    script = {"r": (T09_CALL, []), "r-t1": (FULL, [7]), "r-a1": (T09_CALL, []), "r-a1-t1": (FULL, [])}
+    client, res, tool = _stale_run(partial, script, tool_publishes=[6])
+    assert client.published == [(6, []), (7, ["r-t1"])]
+    assert client.seen == ["r", "r-t1", "r-a1", "r-a1-t1"]
+    assert res.output_ids == T09_CALL + T09_ANSWER + FULL
+    assert set(token_versions(list(res.version_spans), 22)) == {7} and min(v for v, _ in res.version_spans) == 7
+    assert res.finish_type == "stop" and res.resubmissions == 1 and len(tool.calls) == 2
+
+
+def test_episode_turn_that_ends_below_the_stale_floor_restarts():
+    """A turn whose stale abort did not land (the engine answered first) yet ended after a live
+    update's stale_below 6 passed its episode's oldest version 5 is not kept: `RESTART_EPISODE`."""
+    from megatron_rl.rollout.live import GenerationGate
+    from megatron_rl.rollout.multiturn import RESTART_EPISODE, _episode_turn
+
+    gate, ep = GenerationGate(), Episode([1, 6], 64)
+    ep.add_model_turn(GenerateResult(rid="r", output_ids=T09_CALL, output_logprobs=[-0.25] * 6, finish_type="stop",
+                                     matched_stop=None, stop_reason="stop_string", prompt_tokens=2,
+                                     completion_tokens=6, weight_version="5", version_spans=((5, 0),)))
+    seen = []
+
+    def generate(ids, params, rid, oldest):
+        seen.append(oldest)
+        assert gate.take_stale(6) == []  # the turn's own request is not in this gate: the abort is lost
+        return dataclasses.replace(ep.last, rid=rid, output_ids=FULL, output_logprobs=[-0.25] * 8,
+                                   version_spans=((6, 0),))
+
+    res = _episode_turn(ep, generate, gate, ep.context(), {"max_new_tokens": 50}, "r-t1")
+    assert seen == [5] and res.finish_type == "abort" and res.abort_message == RESTART_EPISODE
+    assert _episode_turn(ep, generate, gate, ep.context(), {}, "r-t1").output_ids == []  # not even sent now
+    assert seen == [5]
 
 
 # ---------------------------------------------------------------- T10
