@@ -34,6 +34,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megatron_rl.tools.output_cap import OutputCap
+
 logger = logging.getLogger(__name__)
 
 _WORKER = Path(__file__).with_name("sandbox_worker.py")
@@ -66,7 +68,12 @@ class SandboxConfig:
     """Size of the working directory in MiB: a private tmpfs (memory-backed) in the worker's own mount
     namespace, invisible outside; 0 = a plain folder under `work_root` (only `max_file_size_mib` per file)."""
     max_output_bytes: int = 4096
-    """stdout and stderr are each cut to this many bytes (>= 64); the rest is dropped and marked."""
+    """stdout and stderr are each cut to this many UTF-8 bytes (>= 64) while they are read: a head and
+    a tail are kept (`output_head_fraction`), the middle is dropped and replaced by a marker that
+    states the number of bytes omitted. The program is never killed for writing more."""
+    output_head_fraction: float = 0.25
+    """Share of `max_output_bytes` kept from the start of each stream (0 to 1); the rest is kept from
+    the end, where results and tracebacks are (the default keeps 1024 head + 3072 tail bytes)."""
     max_code_bytes: int = 1 << 20
     """A longer program is refused without running (bytes, >= 1)."""
     pool_size: int = 4
@@ -104,6 +111,8 @@ class SandboxConfig:
                   ("memory_mib", self.memory_mib >= 64), ("max_processes", self.max_processes >= 1),
                   ("max_open_files", self.max_open_files >= 16), ("max_file_size_mib", self.max_file_size_mib >= 0), ("disk_mib", self.disk_mib >= 0),
                   ("max_output_bytes", self.max_output_bytes >= 64), ("max_code_bytes", self.max_code_bytes >= 1),
+                  ("output_head_fraction", isinstance(self.output_head_fraction, (int, float))
+                   and not isinstance(self.output_head_fraction, bool) and 0 <= self.output_head_fraction <= 1),
                   ("pool_size", self.pool_size >= 0), ("max_concurrency", self.max_concurrency >= 1)]
         for name, ok in checks:
             if not ok:
@@ -123,7 +132,8 @@ class SandboxResult:
     """One program's run."""
 
     stdout: str
-    """Its standard output, cut to `max_output_bytes` (decoded as UTF-8, bad bytes replaced)."""
+    """Its standard output, cut to `max_output_bytes` as head + omitted-bytes marker + tail (decoded
+    as UTF-8, bad bytes replaced)."""
     stderr: str
     """Its standard error, cut the same way."""
     exit_code: int | None
@@ -134,6 +144,10 @@ class SandboxResult:
     """Killed at the wall-clock limit."""
     truncated: bool = False
     """Some of stdout or stderr was dropped."""
+    stdout_omitted_bytes: int = 0
+    """Bytes of stdout dropped by the cap (also stated in the marker inside `stdout`)."""
+    stderr_omitted_bytes: int = 0
+    """Bytes of stderr dropped by the cap."""
     wall_s: float = 0.0
     """Seconds from sending the program to the worker's exit."""
     cpu_s: float = 0.0
@@ -355,18 +369,18 @@ class ProcessSandbox(Sandbox):
             worker.proc.stdin.close()
         except BrokenPipeError:
             pass
-        cap, flood = cfg.max_output_bytes, max(1 << 20, 16 * cfg.max_output_bytes)
-        outs = {worker.proc.stdout.fileno(): bytearray(worker.pending_stdout[:cap]),
-                worker.proc.stderr.fileno(): bytearray()}
-        total = len(worker.pending_stdout)
-        timed_out = flooded = False
+        head = int(cfg.max_output_bytes * cfg.output_head_fraction)
+        caps = {fd: OutputCap(head, cfg.max_output_bytes - head)
+                for fd in (worker.proc.stdout.fileno(), worker.proc.stderr.fileno())}
+        caps[worker.proc.stdout.fileno()].feed(worker.pending_stdout)
+        timed_out = False
         exited_at = None
         pidfd = os.pidfd_open(worker.proc.pid)
         with selectors.DefaultSelector() as sel:
-            for fd in outs:
+            for fd in caps:
                 sel.register(fd, selectors.EVENT_READ)
             sel.register(pidfd, selectors.EVENT_READ)
-            open_fds = set(outs)
+            open_fds = set(caps)
             while True:
                 now = time.monotonic()
                 if exited_at is not None and (not open_fds or now - exited_at > 0.5):
@@ -379,30 +393,22 @@ class ProcessSandbox(Sandbox):
                         sel.unregister(pidfd)
                         exited_at = time.monotonic()
                         continue
-                    chunk = os.read(key.fd, 65536)
+                    chunk = os.read(key.fd, 1 << 16)  # read as written, kept within the cap: bounded memory
                     if not chunk:
                         sel.unregister(key.fd)
                         open_fds.discard(key.fd)
                         continue
-                    total += len(chunk)
-                    buf = outs[key.fd]
-                    if len(buf) < cap:
-                        buf += chunk[: cap - len(buf)]
-                if total > flood:
-                    flooded = True
-                    break
+                    caps[key.fd].feed(chunk)
         os.close(pidfd)
         worker.kill()
         _, status, usage = os.wait4(worker.proc.pid, 0)
         worker.proc.returncode = code = os.waitstatus_to_exitcode(status)
         exit_code = 128 - code if code < 0 else code
         cpu_s = usage.ru_utime + usage.ru_stime
-        stdout, stderr = (bytes(b).decode("utf-8", "replace") for b in outs.values())
-        truncated = total > sum(len(b) for b in outs.values()) or flooded
+        out_cap, err_cap = caps.values()
+        stdout, stderr = out_cap.text(), err_cap.text()
         if timed_out:
             error = f"timed out: the program ran past the wall-clock limit of {cfg.wall_timeout_s:g} s and was killed"
-        elif flooded:
-            error = f"killed: the program wrote more than {flood} bytes of output"
         elif exit_code != 0 and cpu_s >= cfg.cpu_time_s - 0.05:
             error = f"killed: the program used its CPU-time limit of {cfg.cpu_time_s} s"
         elif exit_code > 128:
@@ -414,7 +420,8 @@ class ProcessSandbox(Sandbox):
         else:
             error = ""
         return SandboxResult(stdout=stdout, stderr=stderr, exit_code=exit_code, error=error, timed_out=timed_out,
-                             truncated=truncated, wall_s=time.monotonic() - t0, cpu_s=cpu_s)
+                             truncated=bool(out_cap.omitted or err_cap.omitted), stdout_omitted_bytes=out_cap.omitted,
+                             stderr_omitted_bytes=err_cap.omitted, wall_s=time.monotonic() - t0, cpu_s=cpu_s)
 
     def run_many(self, codes: Sequence[str]) -> list[SandboxResult]:
         """Run the programs concurrently (up to `max_concurrency` at once); results in input order."""
