@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import selectors
 import shutil
 import signal
@@ -41,6 +42,7 @@ logger = logging.getLogger(__name__)
 _WORKER = Path(__file__).with_name("sandbox_worker.py")
 _READABLE = ("/usr", "/lib", "/lib64", "/bin", "/dev/urandom", "/dev/zero", "/proc/self", "/proc/thread-self",
              "/sys/devices/system/cpu", "/etc/ld.so.cache", "/etc/localtime", "/etc/os-release")
+_PID_MAX = 1 << 22  # the kernel's largest pid_max
 _READY = b"__mrl_sandbox_ready__"  # sandbox_worker.READY (the worker is never imported here)
 
 
@@ -89,10 +91,19 @@ class SandboxConfig:
     readable_paths: list[str] = field(default_factory=lambda: list(_READABLE))
     """With Landlock: the only paths the program may read, besides its working directory and the
     interpreter's own folders (`sys.prefix`, `sys.path`); a missing path is skipped."""
+    seccomp: bool = True
+    """A seccomp-bpf filter: `socket()` of any family refused (unix path sockets included), no new
+    namespaces, no io_uring (x86_64 and aarch64; elsewhere the layer is recorded as unavailable)."""
     audit_hook: bool = True
     """A `sys.addaudithook` guard in the program's interpreter (bypassable; the last layer)."""
     drop_to_uid: int = 65534
-    """When the trainer runs as root, the uid and gid the program runs as (0 keeps root: unsafe)."""
+    """When the trainer runs as root, the uid and gid the program runs as if `per_call_uid_base` is 0
+    (0 keeps root, without capabilities: unsafe)."""
+    per_call_uid_base: int = 2_000_000_000
+    """When the trainer runs as root (and `drop_to_uid` is not 0): each call runs as its own uid and gid,
+    this plus the worker's host pid (unique while the call lives), so RLIMIT_NPROC is per call and every
+    process of a call can be found and killed by its uid. The `per_call_uid_base` .. +4194304 (pid_max)
+    range must belong to no one on the host. 0 = every call shares `drop_to_uid`."""
     require_network_isolation: bool = True
     """Refuse to start unless a kernel layer (network namespace or Landlock TCP) blocks the network."""
     python_executable: str = ""
@@ -113,7 +124,10 @@ class SandboxConfig:
                   ("max_output_bytes", self.max_output_bytes >= 64), ("max_code_bytes", self.max_code_bytes >= 1),
                   ("output_head_fraction", isinstance(self.output_head_fraction, (int, float))
                    and not isinstance(self.output_head_fraction, bool) and 0 <= self.output_head_fraction <= 1),
-                  ("pool_size", self.pool_size >= 0), ("max_concurrency", self.max_concurrency >= 1)]
+                  ("pool_size", self.pool_size >= 0), ("max_concurrency", self.max_concurrency >= 1),
+                  ("drop_to_uid", isinstance(self.drop_to_uid, int) and 0 <= self.drop_to_uid < 2**32 - 1),
+                  ("per_call_uid_base", isinstance(self.per_call_uid_base, int)
+                   and (self.per_call_uid_base == 0 or 1000 <= self.per_call_uid_base < 2**32 - 1 - _PID_MAX))]
         for name, ok in checks:
             if not ok:
                 raise ValueError(f"sandbox {name}={getattr(self, name)!r} is out of range (see SandboxConfig.{name})")
@@ -122,7 +136,7 @@ class SandboxConfig:
         if not isinstance(self.readable_paths, list) or not all(isinstance(p, str) for p in self.readable_paths):
             # a bare string would be iterated character by character: "/" makes the whole filesystem readable
             raise ValueError(f"sandbox readable_paths must be a list of paths, got {self.readable_paths!r}")
-        for name in ("network_namespace", "pid_namespace", "landlock", "audit_hook", "require_network_isolation"):
+        for name in ("network_namespace", "pid_namespace", "landlock", "seccomp", "audit_hook", "require_network_isolation"):
             if not isinstance(getattr(self, name), bool):  # 'false' (a string) would leave the layer on
                 raise ValueError(f"sandbox {name} must be true or false, got {getattr(self, name)!r}")
 
@@ -177,6 +191,47 @@ class Sandbox(ABC):
         """Stop workers and delete their folders. Calling it twice is harmless."""
 
 
+def _ppid(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+def _uid_of(pid: str) -> int:
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Uid:"):
+                    return int(line.split()[1])  # the real uid (the /proc folder's owner can be root)
+    except (OSError, ValueError, IndexError):
+        pass
+    return -1
+
+
+def processes_of_uid(uid: int) -> list[int]:
+    """Process ids whose real uid is `uid` (as this process sees /proc)."""
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and _uid_of(p) == uid]
+
+
+def kill_uid(uid: int, rounds: int = 50) -> bool:
+    """SIGKILL every process running as `uid` until none is left (a process forking meanwhile is caught
+    in the next round; RLIMIT_NPROC bounds them). Returns whether none is left. Only for a uid that
+    belongs to one call: never the shared `drop_to_uid`."""
+    for _ in range(rounds):
+        pids = processes_of_uid(uid)
+        if not pids:
+            return True
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.01)
+    return not processes_of_uid(uid)
+
+
 class _Worker:
     """One started worker process and its working directory."""
 
@@ -185,8 +240,8 @@ class _Worker:
         spec = {"workdir": self.workdir, "cpu_time_s": cfg.cpu_time_s, "memory_mib": cfg.memory_mib,
                 "max_processes": cfg.max_processes, "max_open_files": cfg.max_open_files,
                 "max_file_size_mib": cfg.max_file_size_mib, "disk_mib": cfg.disk_mib, "network_namespace": cfg.network_namespace,
-                "pid_namespace": cfg.pid_namespace, "landlock": cfg.landlock, "audit_hook": cfg.audit_hook,
-                "drop_to_uid": cfg.drop_to_uid, "readable_paths": list(cfg.readable_paths),
+                "pid_namespace": cfg.pid_namespace, "landlock": cfg.landlock, "seccomp": cfg.seccomp, "audit_hook": cfg.audit_hook,
+                "drop_to_uid": cfg.drop_to_uid, "per_call_uid_base": cfg.per_call_uid_base, "readable_paths": list(cfg.readable_paths),
                 "preload_modules": list(cfg.preload_modules)}
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": self.workdir,
                "TMPDIR": self.workdir, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8",
@@ -201,6 +256,9 @@ class _Worker:
             raise
         self.layers: dict[str, Any] | None = None
         self.pending_stdout = b""
+        self.init_fd: int | None = None  # a pidfd of the PID namespace's init (the program's process)
+        self.init_pid = 0
+        self.own_uid = cfg.per_call_uid_base and os.geteuid() == 0 and cfg.drop_to_uid
 
     def wait_ready(self, timeout_s: float) -> str:
         """Read the ready line (once); returns "" or why the worker did not get ready."""
@@ -228,20 +286,57 @@ class _Worker:
         if not line.startswith(_READY):
             return f"the sandbox worker wrote {line[:200]!r} instead of its ready line"
         self.layers = json.loads(line[len(_READY):])
+        init = self.layers.pop("init_pid", None)
+        try:
+            fd = os.pidfd_open(init)
+        except (OSError, TypeError):
+            return f"the sandbox worker's program process {init!r} is not there"
+        if init != self.proc.pid and _ppid(init) != self.proc.pid:  # checked after the pidfd: no pid reuse
+            os.close(fd)
+            return f"the sandbox worker reported process {init}, which is not its own"
+        self.init_fd, self.init_pid = fd, init
         return ""
 
     def kill(self) -> None:
-        """SIGKILL the worker and its process group (its PID namespace dies with its init).
-        Uses os.kill, never Popen.kill, which would reap the process before `wait4` can."""
+        """SIGKILL the program's process (init of its PID namespace: every process it started dies with
+        it, whatever session it moved to and whatever it did to PR_SET_PDEATHSIG), the worker and its
+        process group. Uses os.kill, never Popen.kill, which would reap the process before `wait4` can."""
         if self.proc.returncode is not None:
             return
+        if self.init_fd is not None:
+            try:
+                signal.pidfd_send_signal(self.init_fd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            if self.init_pid != self.proc.pid:  # the worker outside reaps it (no zombie left) and exits
+                try:
+                    with open(os.pidfd_open(self.proc.pid), "rb", buffering=0) as worker_fd:
+                        select.select([worker_fd], [], [], 2)
+                except ProcessLookupError:
+                    pass
         for kill, target in ((os.killpg, self.proc.pid), (os.kill, self.proc.pid)):
             try:
                 kill(target, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
 
+    def finish(self) -> None:
+        """After `kill` and the worker's exit: wait until the program's process has fully exited (for a
+        PID namespace's init that is after every process of the namespace is gone), then kill whatever
+        still runs as the call's own uid (the fallback without a PID namespace). Nothing of the call
+        survives it."""
+        if self.init_fd is not None:
+            if not select.select([self.init_fd], [], [], 5)[0]:
+                logger.warning("the sandbox program's process did not exit within 5 s of SIGKILL")
+            os.close(self.init_fd)
+            self.init_fd = None
+        uid = (self.layers or {}).get("uid")
+        if self.own_uid and uid:
+            kill_uid(uid)
+
     def cleanup(self) -> None:
+        """After `kill` and the worker's exit: `finish`, close the pipes, delete the folder."""
+        self.finish()
         for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
             try:
                 f.close()
@@ -293,7 +388,8 @@ class ProcessSandbox(Sandbox):
     @staticmethod
     def network_isolated(layers: dict[str, Any]) -> bool:
         """Whether the reported layers include a kernel-enforced network block."""
-        return bool(layers.get("network_namespace")) or int(layers.get("landlock_abi", 0)) >= 4
+        return (bool(layers.get("network_namespace")) or int(layers.get("landlock_abi", 0)) >= 4
+                or bool(layers.get("seccomp")))  # no socket() at all
 
     def _refill_in_background(self) -> None:
         """Start the missing workers on a thread of their own, off the caller's path."""

@@ -45,8 +45,8 @@ def _unshare(spec, layers):
         flags |= os.CLONE_NEWNET
     if spec["pid_namespace"]:
         flags |= os.CLONE_NEWPID
-    if spec["disk_mib"]:
-        flags |= os.CLONE_NEWNS
+    if spec["disk_mib"] or (os.geteuid() == 0 and spec["uid"]):
+        flags |= os.CLONE_NEWNS  # the tmpfs, and the interpreter shown to the unprivileged uid
     if not flags:
         return False
     if os.geteuid() != 0:
@@ -62,17 +62,76 @@ def _unshare(spec, layers):
     return bool(flags & os.CLONE_NEWPID)
 
 
+def _make_private(layers):
+    """Make every mount of the new mount namespace private: nothing done here propagates to the host."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mount(None, b"/", None, (1 << 14) | (1 << 18), None) != 0:  # MS_REC | MS_PRIVATE
+        layers["mounts_error"] = f"mount --make-rprivate /: {os.strerror(ctypes.get_errno())}"
+        return False
+    return True
+
+
+def _blocker(path):
+    """The highest folder above `path` that a uid owning nothing, in no group, may not enter (or None)."""
+    parts = os.path.realpath(path).split(os.sep)[1:-1]
+    for i in range(1, len(parts) + 1):
+        folder = os.sep + os.sep.join(parts[:i])
+        try:
+            if not os.stat(folder).st_mode & 0o001:
+                return folder
+        except OSError:
+            return None
+    return None
+
+
+def _expose(paths, layers):
+    """As root, in the new mount namespace, before becoming an unprivileged uid: the interpreter may sit
+    below a folder only root may enter (a pyenv under /root, 0700). Hide each such folder under an empty
+    tmpfs (mode 0755) and bind-mount back, read-only, only the needed paths: the program can import the
+    standard library without any capability, and sees nothing else of that folder."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    ms_rdonly, ms_nosuid, ms_nodev, ms_remount, ms_bind, ms_rec = 1, 2, 4, 32, 4096, 1 << 14
+    hidden = {}
+    for p in sorted({os.path.realpath(p) for p in paths if os.path.exists(p)}):
+        top = _blocker(p)
+        if top and not any(p == q or p.startswith(q + os.sep) for q in hidden.get(top, [])):
+            hidden.setdefault(top, []).append(p)
+    exposed = []
+    for top, below in hidden.items():
+        fds = [os.open(p, os.O_PATH | os.O_CLOEXEC) for p in below]  # before the tmpfs hides them
+        if libc.mount(b"tmpfs", top.encode(), b"tmpfs", ms_nosuid | ms_nodev, b"size=1m,nr_inodes=1024,mode=0755") != 0:
+            layers["expose_error"] = f"mount tmpfs over {top}: {os.strerror(ctypes.get_errno())}"
+            return
+        for p, fd in zip(below, fds):
+            if os.path.isdir(f"/proc/self/fd/{fd}"):
+                os.makedirs(p, mode=0o755, exist_ok=True)
+            else:
+                os.makedirs(os.path.dirname(p), mode=0o755, exist_ok=True)
+                open(p, "a").close()
+            src = f"/proc/self/fd/{fd}".encode()
+            if libc.mount(src, p.encode(), None, ms_bind | ms_rec, None) != 0 or libc.mount(
+                    None, p.encode(), None, ms_remount | ms_bind | ms_rdonly | ms_nosuid | ms_nodev, None) != 0:
+                layers["expose_error"] = f"bind-mount {p}: {os.strerror(ctypes.get_errno())}"
+                return
+            os.close(fd)
+            exposed.append(p)
+    if exposed:
+        layers["exposed_read_only"] = exposed
+
+
 def _private_tmpfs(spec, layers):
     """In the new mount namespace: a tmpfs of `disk_mib` over the working directory, so the program's
     files are bounded in total, invisible outside, and gone with the namespace."""
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
-    ms_rec, ms_private, ms_nosuid, ms_nodev = 1 << 14, 1 << 18, 2, 4
-    if libc.mount(None, b"/", None, ms_rec | ms_private, None) != 0:  # nothing propagates back to the host
-        layers["tmpfs_error"] = f"mount --make-rprivate /: {os.strerror(ctypes.get_errno())}"
-        return
-    opts = f"size={int(spec['disk_mib'])}m,mode=0700".encode()
+    ms_nosuid, ms_nodev = 2, 4
+    # nr_inodes: a program creating empty files must not pin unbounded kernel memory (1 inode per 4 KiB)
+    opts = f"size={int(spec['disk_mib'])}m,nr_inodes={max(64, int(spec['disk_mib']) * 256)},mode=0700".encode()
     if libc.mount(b"tmpfs", spec["workdir"].encode(), b"tmpfs", ms_nosuid | ms_nodev, opts) != 0:
         layers["tmpfs_error"] = f"mount tmpfs: {os.strerror(ctypes.get_errno())}"
         return
@@ -169,8 +228,7 @@ def _landlock(spec, layers):
         layers["landlock_error"] = f"landlock_create_ruleset: {os.strerror(ctypes.get_errno())}"
         return 0
     rules = {spec["workdir"]: read | write, "/dev/null": (read | write) & file_only}
-    python_dirs = [sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path, os.path.dirname(sys.executable)]
-    for path in [*spec["readable_paths"], *python_dirs]:
+    for path in [*spec["readable_paths"], *_python_dirs(spec)]:
         rules.setdefault(os.path.realpath(path), read)
     ok = True
     for path, allowed in rules.items():
@@ -194,43 +252,114 @@ def _landlock(spec, layers):
     return abi
 
 
+def _python_dirs(spec):
+    return [sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path, os.path.dirname(sys.executable),
+            os.path.dirname(os.path.realpath(sys.executable))]
+
+
+def _capset(libc, ctypes, effective, permitted):
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+    data = (Data * 2)(Data(effective, permitted, 0), Data(0, 0, 0))
+    if libc.capset(ctypes.byref(Header(0x20080522, 0)), data) != 0:  # _LINUX_CAPABILITY_VERSION_3
+        raise OSError(ctypes.get_errno(), "capset")
+
+
 def _drop_privileges(spec, layers):
-    """As root: become `drop_to_uid`. The interpreter may live where only root reads (a pyenv under
-    /root): when Landlock bounds reads, keep CAP_DAC_READ_SEARCH (read any file Landlock allows)."""
-    uid = spec["drop_to_uid"]
-    if os.geteuid() != 0 or not uid:
-        return
+    """Drop every capability (bounding set, ambient, inheritable, permitted, effective) and, as root,
+    become the call's own uid / gid with no supplementary groups. The one exception, recorded in
+    `layers`: without a mount namespace to expose an interpreter only root may read, and with Landlock
+    bounding reads, CAP_DAC_READ_SEARCH is kept so the standard library can be imported."""
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
-    keep_read = bool(layers.get("landlock_abi"))
-    os.chown(spec["workdir"], uid, uid)
-    if keep_read:
-        libc.prctl(8, 1, 0, 0, 0)  # PR_SET_KEEPCAPS: the permitted set survives setuid
-    os.setgroups([])
-    os.setgid(uid)
-    os.setuid(uid)
-    layers["uid"] = uid
-    stdlib = os.path.dirname(os.__file__)
-    if not keep_read and not os.access(stdlib, os.R_OK | os.X_OK):
-        sys.stderr.write(f"uid {uid} cannot read the interpreter's standard library {stdlib}, and without "
-                         "Landlock the sandbox does not keep CAP_DAC_READ_SEARCH: install Python where that uid "
-                         "can read it, or enable Landlock, or set drop_to_uid: 0 (root, unsafe)\n")
-        sys.exit(2)
-    if keep_read:
+    uid = spec["uid"] if os.geteuid() == 0 else 0
+    keep = 0
+    if uid and any(_blocker(d) for d in _python_dirs(spec) if os.path.exists(d)):
+        if not layers.get("landlock_abi"):
+            sys.stderr.write(f"uid {uid} cannot read the interpreter's folders and neither a mount namespace "
+                             "nor Landlock is available: install Python where any uid can read it, or set "
+                             "drop_to_uid: 0 (root, unsafe)\n")
+            sys.exit(2)
+        keep = 1 << 2  # CAP_DAC_READ_SEARCH
+    for cap in range(64):  # needs CAP_SETPCAP: before the uid change (past the last one: EINVAL, harmless)
+        if not keep >> cap & 1:
+            libc.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP
+    libc.prctl(47, 4, 0, 0, 0)  # PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL
+    if uid:
+        os.chown(spec["workdir"], uid, uid)
+        if keep:
+            libc.prctl(8, 1, 0, 0, 0)  # PR_SET_KEEPCAPS: the permitted set survives setuid
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+        layers["uid"] = uid
+        libc.prctl(8, 0, 0, 0, 0)
+    _capset(libc, ctypes, keep, keep)
+    status = dict(line.split(":\t", 1) for line in open("/proc/self/status").read().splitlines() if ":\t" in line)
+    caps = {k: int(status.get(k, "0"), 16) for k in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb")}
+    if any(v & ~keep for v in caps.values()):
+        raise OSError(f"capabilities left after the drop: {caps}")
+    layers["capabilities"] = "CAP_DAC_READ_SEARCH (no mount namespace to expose the interpreter)" if keep else "none"
 
-        class Header(ctypes.Structure):
-            _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
 
-        class Data(ctypes.Structure):
-            _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
-                        ("inheritable", ctypes.c_uint32)]
+_ARCH = {"x86_64": (0xC000003E, {"socket": 41, "unshare": 272, "setns": 308, "clone": 56}),
+         "aarch64": (0xC00000B7, {"socket": 198, "unshare": 97, "setns": 268, "clone": 220})}
 
-        cap = 1 << 2  # CAP_DAC_READ_SEARCH
-        data = (Data * 2)(Data(cap, cap, 0), Data(0, 0, 0))
-        if libc.capset(ctypes.byref(Header(0x20080522, 0)), data) != 0:
-            raise OSError(ctypes.get_errno(), "capset CAP_DAC_READ_SEARCH")
-        layers["capabilities"] = "CAP_DAC_READ_SEARCH"
+
+def _seccomp(layers):
+    """A seccomp-bpf filter (kernel-enforced, inherited by every child, cannot be removed): `socket()`
+    of any family fails with EPERM (AF_UNIX path sockets too, which neither the network namespace nor
+    Landlock stops; `socketpair` stays: it connects to nothing), no new namespaces (`unshare`, `setns`,
+    `clone` with a CLONE_NEW* flag; `clone3`, whose flags a filter cannot read, answers ENOSYS so libc
+    falls back to `clone`), no io_uring (its operations bypass seccomp). Another architecture's
+    system call kills the process. An unknown machine records the layer as unavailable."""
+    import ctypes
+
+    machine = os.uname().machine
+    if machine not in _ARCH:
+        layers["seccomp_error"] = f"no system call table for {machine}"
+        return
+    arch, nr = _ARCH[machine]
+    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+    allow, eperm, enosys, kill = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38, 0x80000000
+    clone_new = 0x7E020000  # NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET
+    prog = [(ld, 4), (jeq, arch, "next", "kill"), (ld, 0)]
+    if machine == "x86_64":
+        prog.append((jge, 0x40000000, "eperm", "next"))  # the x32 ABI
+    for name in ("socket", "unshare", "setns"):
+        prog.append((jeq, nr[name], "eperm", "next"))
+    for n in (425, 426, 427):  # io_uring_setup, io_uring_enter, io_uring_register (both tables)
+        prog.append((jeq, n, "eperm", "next"))
+    prog += [(jeq, 435, "enosys", "next"),  # clone3
+             (jeq, nr["clone"], "next", "allow"), (ld, 16), (jset, clone_new, "eperm", "allow"),
+             ("allow", ret, allow), ("eperm", ret, eperm), ("enosys", ret, enosys), ("kill", ret, kill)]
+    labels = {ins[0]: i for i, ins in enumerate(prog) if isinstance(ins[0], str)}
+
+    class Filter(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+    class Prog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Filter))]
+
+    code = []
+    for i, ins in enumerate(prog):
+        if isinstance(ins[0], str):
+            ins = ins[1:]
+        op, k, *jumps = ins
+        jt, jf = (0 if j == "next" else labels[j] - i - 1 for j in jumps) if jumps else (0, 0)
+        code.append(Filter(op, jt, jf, k))
+    arr = (Filter * len(code))(*code)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
+    if libc.prctl(22, 2, ctypes.byref(Prog(len(code), arr)), 0, 0) != 0:  # PR_SET_SECCOMP, FILTER
+        layers["seccomp_error"] = f"seccomp: {os.strerror(ctypes.get_errno())}"
+        return
+    layers["seccomp"] = "socket, unshare, setns, clone(CLONE_NEW*), clone3, io_uring refused"
 
 
 def _audit_hook(workdir):
@@ -282,6 +411,9 @@ def _audit_hook(workdir):
 def main():
     spec = json.loads(sys.argv[1])
     layers = {}
+    # the call's own uid (as root): the worker's host pid is unique while the call lives
+    base = spec["per_call_uid_base"]
+    spec["uid"] = 0 if not spec["drop_to_uid"] else (base + os.getpid() if base else spec["drop_to_uid"])
     base_tasks = _tasks_of_uid(os.getuid()) if os.geteuid() != 0 else 0
     trainer = os.getppid()
     in_new_pid_ns = _unshare(spec, layers)
@@ -289,8 +421,11 @@ def main():
         child = os.fork()  # the child is init of the new PID namespace and runs the program
         if child:
             _reap_as_parent(child, trainer)
-    if layers.get("mount_namespace"):
-        _private_tmpfs(spec, layers)
+    if layers.get("mount_namespace") and _make_private(layers):
+        if os.geteuid() == 0 and spec["uid"]:
+            _expose([*spec["readable_paths"], *_python_dirs(spec)], layers)
+        if spec["disk_mib"]:
+            _private_tmpfs(spec, layers)
     os.chdir(spec["workdir"])
     if spec["landlock"]:
         _landlock(spec, layers)
@@ -307,6 +442,10 @@ def main():
     global traceback
     import traceback
 
+    if spec["seccomp"]:
+        _seccomp(layers)
+    # /proc is the host's: this is the host pid of the namespace's init, which the trainer kills
+    layers["init_pid"] = int(os.readlink("/proc/self"))
     out = sys.stdout
     out.write(READY + json.dumps(layers) + "\n")
     out.flush()

@@ -28,7 +28,7 @@ from megatron_rl.tools.tool_config import build_tools, load_tool_config
 pytestmark = pytest.mark.skipif(not hasattr(os, "unshare"), reason="Linux only")
 
 LIMITS = dict(cpu_time_s=1, wall_timeout_s=8, memory_mib=512, max_processes=8, max_output_bytes=256, disk_mib=8)
-OPEN = dict(network_namespace=False, pid_namespace=True, landlock=False, audit_hook=False, drop_to_uid=0,
+OPEN = dict(network_namespace=False, pid_namespace=True, landlock=False, seccomp=False, audit_hook=False, drop_to_uid=0,
             require_network_isolation=False)
 
 
