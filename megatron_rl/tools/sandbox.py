@@ -118,16 +118,19 @@ class SandboxConfig:
     """Extra environment variables for the program; nothing else of the trainer's environment passes."""
 
     def __post_init__(self) -> None:
-        checks = [("wall_timeout_s", self.wall_timeout_s > 0), ("cpu_time_s", self.cpu_time_s >= 1),
-                  ("memory_mib", self.memory_mib >= 64), ("max_processes", self.max_processes >= 1),
-                  ("max_open_files", self.max_open_files >= 16), ("max_file_size_mib", self.max_file_size_mib >= 0), ("disk_mib", self.disk_mib >= 0),
-                  ("max_output_bytes", self.max_output_bytes >= 64), ("max_code_bytes", self.max_code_bytes >= 1),
-                  ("output_head_fraction", isinstance(self.output_head_fraction, (int, float))
-                   and not isinstance(self.output_head_fraction, bool) and 0 <= self.output_head_fraction <= 1),
-                  ("pool_size", self.pool_size >= 0), ("max_concurrency", self.max_concurrency >= 1),
-                  ("drop_to_uid", isinstance(self.drop_to_uid, int) and 0 <= self.drop_to_uid < 2**32 - 1),
-                  ("per_call_uid_base", isinstance(self.per_call_uid_base, int)
-                   and (self.per_call_uid_base == 0 or 1000 <= self.per_call_uid_base < 2**32 - 1 - _PID_MAX))]
+        bounds = {"wall_timeout_s": (1e-9, None), "cpu_time_s": (1, None), "memory_mib": (64, None),
+                  "max_processes": (1, None), "max_open_files": (16, None), "max_file_size_mib": (0, None),
+                  "disk_mib": (0, None), "max_output_bytes": (64, None), "output_head_fraction": (0, 1),
+                  "max_code_bytes": (1, None), "pool_size": (0, None), "max_concurrency": (1, None),
+                  "drop_to_uid": (0, 2**32 - 2), "per_call_uid_base": (0, 2**32 - 2 - _PID_MAX)}
+        for name, (low, high) in bounds.items():
+            value = getattr(self, name)
+            kind = (int, float) if name in ("wall_timeout_s", "output_head_fraction") else int
+            if not isinstance(value, kind) or isinstance(value, bool):  # "10" (a string) fails here, named
+                raise ValueError(f"sandbox {name} must be a number, got {value!r} (see SandboxConfig.{name})")
+        checks = [(name, low <= getattr(self, name) and (high is None or getattr(self, name) <= high))
+                  for name, (low, high) in bounds.items()]
+        checks.append(("per_call_uid_base", self.per_call_uid_base == 0 or self.per_call_uid_base >= 1000))
         for name, ok in checks:
             if not ok:
                 raise ValueError(f"sandbox {name}={getattr(self, name)!r} is out of range (see SandboxConfig.{name})")
@@ -136,7 +139,8 @@ class SandboxConfig:
         if not isinstance(self.readable_paths, list) or not all(isinstance(p, str) for p in self.readable_paths):
             # a bare string would be iterated character by character: "/" makes the whole filesystem readable
             raise ValueError(f"sandbox readable_paths must be a list of paths, got {self.readable_paths!r}")
-        for name in ("network_namespace", "pid_namespace", "landlock", "seccomp", "audit_hook", "require_network_isolation"):
+        for name in ("network_namespace", "pid_namespace", "landlock", "seccomp", "audit_hook",
+                     "require_network_isolation", "site_packages"):
             if not isinstance(getattr(self, name), bool):  # 'false' (a string) would leave the layer on
                 raise ValueError(f"sandbox {name} must be true or false, got {getattr(self, name)!r}")
 
@@ -200,18 +204,22 @@ def _ppid(pid: int) -> int:
 
 
 def _uid_of(pid: str) -> int:
+    """The real uid of a living process (the /proc folder's owner can be root); -1 for a zombie (dead,
+    waiting for its parent, often the host's init, to collect it) or a process that is gone."""
     try:
         with open(f"/proc/{pid}/status", "rb") as f:
             for line in f:
+                if line.startswith(b"State:") and line.split()[1] in (b"Z", b"X"):
+                    return -1
                 if line.startswith(b"Uid:"):
-                    return int(line.split()[1])  # the real uid (the /proc folder's owner can be root)
+                    return int(line.split()[1])
     except (OSError, ValueError, IndexError):
         pass
     return -1
 
 
 def processes_of_uid(uid: int) -> list[int]:
-    """Process ids whose real uid is `uid` (as this process sees /proc)."""
+    """Ids of the living processes whose real uid is `uid` (as this process sees /proc)."""
     return [int(p) for p in os.listdir("/proc") if p.isdigit() and _uid_of(p) == uid]
 
 
@@ -237,12 +245,10 @@ class _Worker:
 
     def __init__(self, cfg: SandboxConfig) -> None:
         self.workdir = tempfile.mkdtemp(prefix="mrl-tool-", dir=cfg.work_root or None)
-        spec = {"workdir": self.workdir, "cpu_time_s": cfg.cpu_time_s, "memory_mib": cfg.memory_mib,
-                "max_processes": cfg.max_processes, "max_open_files": cfg.max_open_files,
-                "max_file_size_mib": cfg.max_file_size_mib, "disk_mib": cfg.disk_mib, "network_namespace": cfg.network_namespace,
-                "pid_namespace": cfg.pid_namespace, "landlock": cfg.landlock, "seccomp": cfg.seccomp, "audit_hook": cfg.audit_hook,
-                "drop_to_uid": cfg.drop_to_uid, "per_call_uid_base": cfg.per_call_uid_base, "readable_paths": list(cfg.readable_paths),
-                "preload_modules": list(cfg.preload_modules)}
+        keys = ("cpu_time_s", "memory_mib", "max_processes", "max_open_files", "max_file_size_mib", "disk_mib",
+                "network_namespace", "pid_namespace", "landlock", "seccomp", "audit_hook", "drop_to_uid",
+                "per_call_uid_base", "readable_paths", "preload_modules")
+        spec = {"workdir": self.workdir, **{k: getattr(cfg, k) for k in keys}}
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": self.workdir,
                "TMPDIR": self.workdir, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8",
                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **cfg.env}
