@@ -5,13 +5,15 @@ put a stronger one (a container or microVM service) behind it. `ProcessSandbox` 
 each call gets a new worker process (`sandbox_worker.py`, started ahead of time so the interpreter's
 start-up is off the call's path), its own throw-away working directory (deleted after the call), a
 scrubbed environment, and the layers listed in `sandbox_worker`'s docstring; the trainer enforces
-the wall-clock limit (SIGKILL to the worker's process group; the worker's PID namespace dies with
-it) and truncates stdout / stderr.
+the wall-clock limit (SIGKILL by pidfd to the program's process, init of its PID namespace, so every
+process of the call dies; then any living process of the call's own uid), and caps stdout / stderr
+while reading them (`output_cap`: head and tail kept, UTF-8 bytes, bounded memory).
 
 What it is not: a VM. All layers share the host kernel, so a kernel bug is an escape; reading files
 the sandbox uid may read (the standard library, world-readable files) is allowed; a program can
 use its CPU and memory limits in full. Which layers were active is in `ProcessSandbox.layers` and
 in each result's `layers`; `SandboxConfig.require_network_isolation` refuses to start without one.
+The in-interpreter audit hook is a convenience (a readable error), never the boundary.
 """
 
 from __future__ import annotations

@@ -6,20 +6,24 @@ directory as cwd. Before it says "ready" on stdout it puts itself behind every l
 (each reported back in the ready line, so the trainer knows what was really enforced):
 
 1. namespaces (`unshare`): a new network namespace (only a loopback that is down: every connect
-   fails) and a new PID namespace whose init is the process that will run the program, so killing
-   it kills every process the program started, whatever session they moved to; a new mount
-   namespace with a tmpfs of `disk_mib` over the working directory. Without root a new
+   fails) and a new PID namespace whose init is the process that will run the program (it reports its
+   host pid in the ready line: the trainer kills it by pidfd, which kills every process the program
+   started, whatever session it moved to); a new mount namespace with a tmpfs of `disk_mib` (and
+   bounded inodes) over the working directory, and, as root, a folder only root may enter hidden under
+   an empty tmpfs with only the interpreter's folders bind-mounted back read-only. Without root a new
    user namespace comes first (needs unprivileged user namespaces);
 2. resource limits (`setrlimit`): CPU seconds, address space, processes, open files, file size;
 3. Landlock (Linux >= 5.13, unprivileged): writes, creates, removes only below the working
    directory; TCP connect and bind refused (ABI >= 4); signals and abstract unix sockets scoped
    to the sandbox (ABI >= 6);
-4. when started as root: all groups dropped and the uid / gid set to an unprivileged one
-   (`RLIMIT_NPROC` is not enforced for root, and root ignores file permissions);
-5. after the program arrives: a `sys.addaudithook` hook that refuses sockets, subprocesses,
+4. every capability dropped (bounding, ambient, inheritable, permitted, effective) and, when
+   started as root, all groups dropped and the uid / gid set to the call's own unprivileged one
+   (`per_call_uid_base` + this worker's host pid; `RLIMIT_NPROC` then counts this call alone);
+5. seccomp-bpf: `socket()` refused (unix path sockets included), no new namespaces, no io_uring;
+6. after the program arrives: a `sys.addaudithook` hook that refuses sockets, subprocesses,
    `exec`, `ctypes`, writes outside the working directory and `/proc/<other pid>` (a guard in the
-   same interpreter: bypassable by a program that reaches native code; the layers above are the
-   kernel's).
+   same interpreter, disabled from Python in a few lines: a friendly error, never the boundary; the
+   layers above are the kernel's).
 
 Then it reads the program (UTF-8) from stdin until EOF and `exec`s it as `__main__`: stdout and
 stderr are the pipes the trainer reads. An exception prints its traceback and exits 1. No logging:
