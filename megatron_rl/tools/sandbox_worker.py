@@ -90,11 +90,12 @@ def _blocker(path):
     return None
 
 
-def _expose(paths, layers):
+def _expose(paths, layers, writable=""):
     """As root, in the new mount namespace, before becoming an unprivileged uid: the interpreter may sit
     below a folder only root may enter (a pyenv under /root, 0700). Hide each such folder under an empty
     tmpfs (mode 0755) and bind-mount back, read-only, only the needed paths: the program can import the
-    standard library without any capability, and sees nothing else of that folder."""
+    standard library without any capability, and sees nothing else of that folder. `writable` (the
+    working directory, when `work_root` is below such a folder) is bound back writable."""
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
@@ -117,14 +118,15 @@ def _expose(paths, layers):
                 os.makedirs(os.path.dirname(p), mode=0o755, exist_ok=True)
                 open(p, "a").close()
             src = f"/proc/self/fd/{fd}".encode()
+            ro = 0 if p == writable else ms_rdonly
             if libc.mount(src, p.encode(), None, ms_bind | ms_rec, None) != 0 or libc.mount(
-                    None, p.encode(), None, ms_remount | ms_bind | ms_rdonly | ms_nosuid | ms_nodev, None) != 0:
+                    None, p.encode(), None, ms_remount | ms_bind | ro | ms_nosuid | ms_nodev, None) != 0:
                 layers["expose_error"] = f"bind-mount {p}: {os.strerror(ctypes.get_errno())}"
                 return
             os.close(fd)
             exposed.append(p)
     if exposed:
-        layers["exposed_read_only"] = exposed
+        layers["exposed"] = exposed
 
 
 def _private_tmpfs(spec, layers):
@@ -429,7 +431,8 @@ def main():
             _reap_as_parent(child, trainer)
     if layers.get("mount_namespace") and _make_private(layers):
         if os.geteuid() == 0 and spec["uid"]:
-            _expose([*spec["readable_paths"], *_python_dirs(spec)], layers)
+            workdir = os.path.realpath(spec["workdir"])
+            _expose([*spec["readable_paths"], *_python_dirs(spec), workdir], layers, writable=workdir)
         if spec["disk_mib"]:
             _private_tmpfs(spec, layers)
     os.chdir(spec["workdir"])

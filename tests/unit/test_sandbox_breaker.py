@@ -232,7 +232,7 @@ def test_every_capability_is_dropped_and_no_namespace_can_be_made(landlock):
         # new user / network namespaces refused (seccomp); fork allowed; io_uring_setup refused
         assert lines[1:5] == ["refused PermissionError"] * 2 + ["allowed", "refused ZeroDivisionError"], lines
         # /root: Landlock refuses to list it; without Landlock it shows only what was exposed (a pyenv)
-        shown = {e.split(os.sep)[2] for e in r.layers.get("exposed_read_only", []) if e.startswith("/root/")}
+        shown = {e.split(os.sep)[2] for e in r.layers.get("exposed", []) if e.startswith("/root/")}
         assert lines[5] in ("refused PermissionError", str(sorted(shown))), lines[5]
     finally:
         sb.close()
