@@ -18,8 +18,6 @@ from megatron_rl.tools.sandbox import ProcessSandbox, Sandbox, SandboxConfig, Sa
 
 logger = logging.getLogger(__name__)
 
-_TRUNCATED = "\n[output truncated]"
-
 
 @TOOLS.register("python")
 class PythonTool(Tool):
@@ -67,9 +65,10 @@ class PythonTool(Tool):
     @staticmethod
     def to_result(r: SandboxResult) -> ToolResult:
         """What the model reads from a sandbox run."""
-        out = r.stdout + (_TRUNCATED if r.truncated and r.stdout else "")
+        out = r.stdout  # a cut output carries its own marker: "[... N bytes omitted ...]"
         metrics = {"wall_s": r.wall_s, "cpu_s": r.cpu_s, "exit_code": r.exit_code, "timed_out": r.timed_out,
-                   "truncated": r.truncated, "warm": bool(r.layers.get("warm"))}
+                   "truncated": r.truncated, "omitted_bytes": r.stdout_omitted_bytes + r.stderr_omitted_bytes,
+                   "warm": bool(r.layers.get("warm"))}
         if r.ok:
             if r.stderr.strip():
                 out = f"{out}\n[stderr]\n{r.stderr}" if out else f"[stderr]\n{r.stderr}"

@@ -5,13 +5,15 @@ put a stronger one (a container or microVM service) behind it. `ProcessSandbox` 
 each call gets a new worker process (`sandbox_worker.py`, started ahead of time so the interpreter's
 start-up is off the call's path), its own throw-away working directory (deleted after the call), a
 scrubbed environment, and the layers listed in `sandbox_worker`'s docstring; the trainer enforces
-the wall-clock limit (SIGKILL to the worker's process group; the worker's PID namespace dies with
-it) and truncates stdout / stderr.
+the wall-clock limit (SIGKILL by pidfd to the program's process, init of its PID namespace, so every
+process of the call dies; then any living process of the call's own uid), and caps stdout / stderr
+while reading them (`output_cap`: head and tail kept, UTF-8 bytes, bounded memory).
 
 What it is not: a VM. All layers share the host kernel, so a kernel bug is an escape; reading files
 the sandbox uid may read (the standard library, world-readable files) is allowed; a program can
 use its CPU and memory limits in full. Which layers were active is in `ProcessSandbox.layers` and
 in each result's `layers`; `SandboxConfig.require_network_isolation` refuses to start without one.
+The in-interpreter audit hook is a convenience (a readable error), never the boundary.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import selectors
 import shutil
 import signal
@@ -34,11 +37,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from megatron_rl.tools.output_cap import OutputCap
+
 logger = logging.getLogger(__name__)
 
 _WORKER = Path(__file__).with_name("sandbox_worker.py")
 _READABLE = ("/usr", "/lib", "/lib64", "/bin", "/dev/urandom", "/dev/zero", "/proc/self", "/proc/thread-self",
              "/sys/devices/system/cpu", "/etc/ld.so.cache", "/etc/localtime", "/etc/os-release")
+_PID_MAX = 1 << 22  # the kernel's largest pid_max
 _READY = b"__mrl_sandbox_ready__"  # sandbox_worker.READY (the worker is never imported here)
 
 
@@ -66,7 +72,12 @@ class SandboxConfig:
     """Size of the working directory in MiB: a private tmpfs (memory-backed) in the worker's own mount
     namespace, invisible outside; 0 = a plain folder under `work_root` (only `max_file_size_mib` per file)."""
     max_output_bytes: int = 4096
-    """stdout and stderr are each cut to this many bytes (>= 64); the rest is dropped and marked."""
+    """stdout and stderr are each cut to this many UTF-8 bytes (>= 64) while they are read: a head and
+    a tail are kept (`output_head_fraction`), the middle is dropped and replaced by a marker that
+    states the number of bytes omitted. The program is never killed for writing more."""
+    output_head_fraction: float = 0.25
+    """Share of `max_output_bytes` kept from the start of each stream (0 to 1); the rest is kept from
+    the end, where results and tracebacks are (the default keeps 1024 head + 3072 tail bytes)."""
     max_code_bytes: int = 1 << 20
     """A longer program is refused without running (bytes, >= 1)."""
     pool_size: int = 4
@@ -82,10 +93,19 @@ class SandboxConfig:
     readable_paths: list[str] = field(default_factory=lambda: list(_READABLE))
     """With Landlock: the only paths the program may read, besides its working directory and the
     interpreter's own folders (`sys.prefix`, `sys.path`); a missing path is skipped."""
+    seccomp: bool = True
+    """A seccomp-bpf filter: `socket()` of any family refused (unix path sockets included), no new
+    namespaces, no io_uring (x86_64 and aarch64; elsewhere the layer is recorded as unavailable)."""
     audit_hook: bool = True
     """A `sys.addaudithook` guard in the program's interpreter (bypassable; the last layer)."""
     drop_to_uid: int = 65534
-    """When the trainer runs as root, the uid and gid the program runs as (0 keeps root: unsafe)."""
+    """When the trainer runs as root, the uid and gid the program runs as if `per_call_uid_base` is 0
+    (0 keeps root, without capabilities: unsafe)."""
+    per_call_uid_base: int = 2_000_000_000
+    """When the trainer runs as root (and `drop_to_uid` is not 0): each call runs as its own uid and gid,
+    this plus the worker's host pid (unique while the call lives), so RLIMIT_NPROC is per call and every
+    process of a call can be found and killed by its uid. The `per_call_uid_base` .. +4194304 (pid_max)
+    range must belong to no one on the host. 0 = every call shares `drop_to_uid`."""
     require_network_isolation: bool = True
     """Refuse to start unless a kernel layer (network namespace or Landlock TCP) blocks the network."""
     python_executable: str = ""
@@ -100,11 +120,19 @@ class SandboxConfig:
     """Extra environment variables for the program; nothing else of the trainer's environment passes."""
 
     def __post_init__(self) -> None:
-        checks = [("wall_timeout_s", self.wall_timeout_s > 0), ("cpu_time_s", self.cpu_time_s >= 1),
-                  ("memory_mib", self.memory_mib >= 64), ("max_processes", self.max_processes >= 1),
-                  ("max_open_files", self.max_open_files >= 16), ("max_file_size_mib", self.max_file_size_mib >= 0), ("disk_mib", self.disk_mib >= 0),
-                  ("max_output_bytes", self.max_output_bytes >= 64), ("max_code_bytes", self.max_code_bytes >= 1),
-                  ("pool_size", self.pool_size >= 0), ("max_concurrency", self.max_concurrency >= 1)]
+        bounds = {"wall_timeout_s": (1e-9, None), "cpu_time_s": (1, None), "memory_mib": (64, None),
+                  "max_processes": (1, None), "max_open_files": (16, None), "max_file_size_mib": (0, None),
+                  "disk_mib": (0, None), "max_output_bytes": (64, None), "output_head_fraction": (0, 1),
+                  "max_code_bytes": (1, None), "pool_size": (0, None), "max_concurrency": (1, None),
+                  "drop_to_uid": (0, 2**32 - 2), "per_call_uid_base": (0, 2**32 - 2 - _PID_MAX)}
+        for name, (low, high) in bounds.items():
+            value = getattr(self, name)
+            kind = (int, float) if name in ("wall_timeout_s", "output_head_fraction") else int
+            if not isinstance(value, kind) or isinstance(value, bool):  # "10" (a string) fails here, named
+                raise ValueError(f"sandbox {name} must be a number, got {value!r} (see SandboxConfig.{name})")
+        checks = [(name, low <= getattr(self, name) and (high is None or getattr(self, name) <= high))
+                  for name, (low, high) in bounds.items()]
+        checks.append(("per_call_uid_base", self.per_call_uid_base == 0 or self.per_call_uid_base >= 1000))
         for name, ok in checks:
             if not ok:
                 raise ValueError(f"sandbox {name}={getattr(self, name)!r} is out of range (see SandboxConfig.{name})")
@@ -113,7 +141,8 @@ class SandboxConfig:
         if not isinstance(self.readable_paths, list) or not all(isinstance(p, str) for p in self.readable_paths):
             # a bare string would be iterated character by character: "/" makes the whole filesystem readable
             raise ValueError(f"sandbox readable_paths must be a list of paths, got {self.readable_paths!r}")
-        for name in ("network_namespace", "pid_namespace", "landlock", "audit_hook", "require_network_isolation"):
+        for name in ("network_namespace", "pid_namespace", "landlock", "seccomp", "audit_hook",
+                     "require_network_isolation", "site_packages"):
             if not isinstance(getattr(self, name), bool):  # 'false' (a string) would leave the layer on
                 raise ValueError(f"sandbox {name} must be true or false, got {getattr(self, name)!r}")
 
@@ -123,7 +152,8 @@ class SandboxResult:
     """One program's run."""
 
     stdout: str
-    """Its standard output, cut to `max_output_bytes` (decoded as UTF-8, bad bytes replaced)."""
+    """Its standard output, cut to `max_output_bytes` as head + omitted-bytes marker + tail (decoded
+    as UTF-8, bad bytes replaced)."""
     stderr: str
     """Its standard error, cut the same way."""
     exit_code: int | None
@@ -134,6 +164,10 @@ class SandboxResult:
     """Killed at the wall-clock limit."""
     truncated: bool = False
     """Some of stdout or stderr was dropped."""
+    stdout_omitted_bytes: int = 0
+    """Bytes of stdout dropped by the cap (also stated in the marker inside `stdout`)."""
+    stderr_omitted_bytes: int = 0
+    """Bytes of stderr dropped by the cap."""
     wall_s: float = 0.0
     """Seconds from sending the program to the worker's exit."""
     cpu_s: float = 0.0
@@ -166,17 +200,60 @@ class Sandbox(ABC):
         """Stop workers and delete their folders. Calling it twice is harmless."""
 
 
+def _ppid(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+def _uid_of(pid: str) -> int:
+    """The real uid of a living process (the /proc folder's owner can be root); -1 for a zombie (dead,
+    waiting for its parent, often the host's init, to collect it) or a process that is gone."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"State:") and line.split()[1] in (b"Z", b"X"):
+                    return -1
+                if line.startswith(b"Uid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return -1
+
+
+def processes_of_uid(uid: int) -> list[int]:
+    """Ids of the living processes whose real uid is `uid` (as this process sees /proc)."""
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and _uid_of(p) == uid]
+
+
+def kill_uid(uid: int, rounds: int = 50) -> bool:
+    """SIGKILL every process running as `uid` until none is left (a process forking meanwhile is caught
+    in the next round; RLIMIT_NPROC bounds them). Returns whether none is left. Only for a uid that
+    belongs to one call: never the shared `drop_to_uid`."""
+    for _ in range(rounds):
+        pids = processes_of_uid(uid)
+        if not pids:
+            return True
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        time.sleep(0.01)
+    return not processes_of_uid(uid)
+
+
 class _Worker:
     """One started worker process and its working directory."""
 
     def __init__(self, cfg: SandboxConfig) -> None:
         self.workdir = tempfile.mkdtemp(prefix="mrl-tool-", dir=cfg.work_root or None)
-        spec = {"workdir": self.workdir, "cpu_time_s": cfg.cpu_time_s, "memory_mib": cfg.memory_mib,
-                "max_processes": cfg.max_processes, "max_open_files": cfg.max_open_files,
-                "max_file_size_mib": cfg.max_file_size_mib, "disk_mib": cfg.disk_mib, "network_namespace": cfg.network_namespace,
-                "pid_namespace": cfg.pid_namespace, "landlock": cfg.landlock, "audit_hook": cfg.audit_hook,
-                "drop_to_uid": cfg.drop_to_uid, "readable_paths": list(cfg.readable_paths),
-                "preload_modules": list(cfg.preload_modules)}
+        keys = ("cpu_time_s", "memory_mib", "max_processes", "max_open_files", "max_file_size_mib", "disk_mib",
+                "network_namespace", "pid_namespace", "landlock", "seccomp", "audit_hook", "drop_to_uid",
+                "per_call_uid_base", "readable_paths", "preload_modules")
+        spec = {"workdir": self.workdir, **{k: getattr(cfg, k) for k in keys}}
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": self.workdir,
                "TMPDIR": self.workdir, "PYTHONDONTWRITEBYTECODE": "1", "PYTHONIOENCODING": "utf-8",
                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", **cfg.env}
@@ -190,6 +267,9 @@ class _Worker:
             raise
         self.layers: dict[str, Any] | None = None
         self.pending_stdout = b""
+        self.init_fd: int | None = None  # a pidfd of the PID namespace's init (the program's process)
+        self.init_pid = 0
+        self.own_uid = cfg.per_call_uid_base and os.geteuid() == 0 and cfg.drop_to_uid
 
     def wait_ready(self, timeout_s: float) -> str:
         """Read the ready line (once); returns "" or why the worker did not get ready."""
@@ -217,20 +297,57 @@ class _Worker:
         if not line.startswith(_READY):
             return f"the sandbox worker wrote {line[:200]!r} instead of its ready line"
         self.layers = json.loads(line[len(_READY):])
+        init = self.layers.pop("init_pid", None)
+        try:
+            fd = os.pidfd_open(init)
+        except (OSError, TypeError):
+            return f"the sandbox worker's program process {init!r} is not there"
+        if init != self.proc.pid and _ppid(init) != self.proc.pid:  # checked after the pidfd: no pid reuse
+            os.close(fd)
+            return f"the sandbox worker reported process {init}, which is not its own"
+        self.init_fd, self.init_pid = fd, init
         return ""
 
     def kill(self) -> None:
-        """SIGKILL the worker and its process group (its PID namespace dies with its init).
-        Uses os.kill, never Popen.kill, which would reap the process before `wait4` can."""
+        """SIGKILL the program's process (init of its PID namespace: every process it started dies with
+        it, whatever session it moved to and whatever it did to PR_SET_PDEATHSIG), the worker and its
+        process group. Uses os.kill, never Popen.kill, which would reap the process before `wait4` can."""
         if self.proc.returncode is not None:
             return
+        if self.init_fd is not None:
+            try:
+                signal.pidfd_send_signal(self.init_fd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            if self.init_pid != self.proc.pid:  # the worker outside reaps it (no zombie left) and exits
+                try:
+                    with open(os.pidfd_open(self.proc.pid), "rb", buffering=0) as worker_fd:
+                        select.select([worker_fd], [], [], 2)
+                except ProcessLookupError:
+                    pass
         for kill, target in ((os.killpg, self.proc.pid), (os.kill, self.proc.pid)):
             try:
                 kill(target, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
 
+    def finish(self) -> None:
+        """After `kill` and the worker's exit: wait until the program's process has fully exited (for a
+        PID namespace's init that is after every process of the namespace is gone), then kill whatever
+        still runs as the call's own uid (the fallback without a PID namespace). Nothing of the call
+        survives it."""
+        if self.init_fd is not None:
+            if not select.select([self.init_fd], [], [], 5)[0]:
+                logger.warning("the sandbox program's process did not exit within 5 s of SIGKILL")
+            os.close(self.init_fd)
+            self.init_fd = None
+        uid = (self.layers or {}).get("uid")
+        if self.own_uid and uid:
+            kill_uid(uid)
+
     def cleanup(self) -> None:
+        """After `kill` and the worker's exit: `finish`, close the pipes, delete the folder."""
+        self.finish()
         for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
             try:
                 f.close()
@@ -282,7 +399,8 @@ class ProcessSandbox(Sandbox):
     @staticmethod
     def network_isolated(layers: dict[str, Any]) -> bool:
         """Whether the reported layers include a kernel-enforced network block."""
-        return bool(layers.get("network_namespace")) or int(layers.get("landlock_abi", 0)) >= 4
+        return (bool(layers.get("network_namespace")) or int(layers.get("landlock_abi", 0)) >= 4
+                or bool(layers.get("seccomp")))  # no socket() at all
 
     def _refill_in_background(self) -> None:
         """Start the missing workers on a thread of their own, off the caller's path."""
@@ -359,18 +477,18 @@ class ProcessSandbox(Sandbox):
             worker.proc.stdin.close()
         except BrokenPipeError:
             pass
-        cap, flood = cfg.max_output_bytes, max(1 << 20, 16 * cfg.max_output_bytes)
-        outs = {worker.proc.stdout.fileno(): bytearray(worker.pending_stdout[:cap]),
-                worker.proc.stderr.fileno(): bytearray()}
-        total = len(worker.pending_stdout)
-        timed_out = flooded = False
+        head = int(cfg.max_output_bytes * cfg.output_head_fraction)
+        caps = {fd: OutputCap(head, cfg.max_output_bytes - head)
+                for fd in (worker.proc.stdout.fileno(), worker.proc.stderr.fileno())}
+        caps[worker.proc.stdout.fileno()].feed(worker.pending_stdout)
+        timed_out = False
         exited_at = None
         pidfd = os.pidfd_open(worker.proc.pid)
         with selectors.DefaultSelector() as sel:
-            for fd in outs:
+            for fd in caps:
                 sel.register(fd, selectors.EVENT_READ)
             sel.register(pidfd, selectors.EVENT_READ)
-            open_fds = set(outs)
+            open_fds = set(caps)
             while True:
                 now = time.monotonic()
                 if exited_at is not None and (not open_fds or now - exited_at > 0.5):
@@ -383,30 +501,22 @@ class ProcessSandbox(Sandbox):
                         sel.unregister(pidfd)
                         exited_at = time.monotonic()
                         continue
-                    chunk = os.read(key.fd, 65536)
+                    chunk = os.read(key.fd, 1 << 16)  # read as written, kept within the cap: bounded memory
                     if not chunk:
                         sel.unregister(key.fd)
                         open_fds.discard(key.fd)
                         continue
-                    total += len(chunk)
-                    buf = outs[key.fd]
-                    if len(buf) < cap:
-                        buf += chunk[: cap - len(buf)]
-                if total > flood:
-                    flooded = True
-                    break
+                    caps[key.fd].feed(chunk)
         os.close(pidfd)
         worker.kill()
         _, status, usage = os.wait4(worker.proc.pid, 0)
         worker.proc.returncode = code = os.waitstatus_to_exitcode(status)
         exit_code = 128 - code if code < 0 else code
         cpu_s = usage.ru_utime + usage.ru_stime
-        stdout, stderr = (bytes(b).decode("utf-8", "replace") for b in outs.values())
-        truncated = total > sum(len(b) for b in outs.values()) or flooded
+        out_cap, err_cap = caps.values()
+        stdout, stderr = out_cap.text(), err_cap.text()
         if timed_out:
             error = f"timed out: the program ran past the wall-clock limit of {cfg.wall_timeout_s:g} s and was killed"
-        elif flooded:
-            error = f"killed: the program wrote more than {flood} bytes of output"
         elif exit_code != 0 and cpu_s >= cfg.cpu_time_s - 0.05:
             error = f"killed: the program used its CPU-time limit of {cfg.cpu_time_s} s"
         elif exit_code > 128:
@@ -418,7 +528,8 @@ class ProcessSandbox(Sandbox):
         else:
             error = ""
         return SandboxResult(stdout=stdout, stderr=stderr, exit_code=exit_code, error=error, timed_out=timed_out,
-                             truncated=truncated, wall_s=time.monotonic() - t0, cpu_s=cpu_s)
+                             truncated=bool(out_cap.omitted or err_cap.omitted), stdout_omitted_bytes=out_cap.omitted,
+                             stderr_omitted_bytes=err_cap.omitted, wall_s=time.monotonic() - t0, cpu_s=cpu_s)
 
     def run_many(self, codes: Sequence[str]) -> list[SandboxResult]:
         """Run the programs concurrently (up to `max_concurrency` at once); results in input order."""

@@ -6,20 +6,24 @@ directory as cwd. Before it says "ready" on stdout it puts itself behind every l
 (each reported back in the ready line, so the trainer knows what was really enforced):
 
 1. namespaces (`unshare`): a new network namespace (only a loopback that is down: every connect
-   fails) and a new PID namespace whose init is the process that will run the program, so killing
-   it kills every process the program started, whatever session they moved to; a new mount
-   namespace with a tmpfs of `disk_mib` over the working directory. Without root a new
+   fails) and a new PID namespace whose init is the process that will run the program (it reports its
+   host pid in the ready line: the trainer kills it by pidfd, which kills every process the program
+   started, whatever session it moved to); a new mount namespace with a tmpfs of `disk_mib` (and
+   bounded inodes) over the working directory, and, as root, a folder only root may enter hidden under
+   an empty tmpfs with only the interpreter's folders bind-mounted back read-only. Without root a new
    user namespace comes first (needs unprivileged user namespaces);
 2. resource limits (`setrlimit`): CPU seconds, address space, processes, open files, file size;
 3. Landlock (Linux >= 5.13, unprivileged): writes, creates, removes only below the working
    directory; TCP connect and bind refused (ABI >= 4); signals and abstract unix sockets scoped
    to the sandbox (ABI >= 6);
-4. when started as root: all groups dropped and the uid / gid set to an unprivileged one
-   (`RLIMIT_NPROC` is not enforced for root, and root ignores file permissions);
-5. after the program arrives: a `sys.addaudithook` hook that refuses sockets, subprocesses,
+4. every capability dropped (bounding, ambient, inheritable, permitted, effective) and, when
+   started as root, all groups dropped and the uid / gid set to the call's own unprivileged one
+   (`per_call_uid_base` + this worker's host pid; `RLIMIT_NPROC` then counts this call alone);
+5. seccomp-bpf: `socket()` refused (unix path sockets included), no new namespaces, no io_uring;
+6. after the program arrives: a `sys.addaudithook` hook that refuses sockets, subprocesses,
    `exec`, `ctypes`, writes outside the working directory and `/proc/<other pid>` (a guard in the
-   same interpreter: bypassable by a program that reaches native code; the layers above are the
-   kernel's).
+   same interpreter, disabled from Python in a few lines: a friendly error, never the boundary; the
+   layers above are the kernel's).
 
 Then it reads the program (UTF-8) from stdin until EOF and `exec`s it as `__main__`: stdout and
 stderr are the pipes the trainer reads. An exception prints its traceback and exits 1. No logging:
@@ -45,8 +49,8 @@ def _unshare(spec, layers):
         flags |= os.CLONE_NEWNET
     if spec["pid_namespace"]:
         flags |= os.CLONE_NEWPID
-    if spec["disk_mib"]:
-        flags |= os.CLONE_NEWNS
+    if spec["disk_mib"] or (os.geteuid() == 0 and spec["uid"]):
+        flags |= os.CLONE_NEWNS  # the tmpfs, and the interpreter shown to the unprivileged uid
     if not flags:
         return False
     if os.geteuid() != 0:
@@ -62,17 +66,78 @@ def _unshare(spec, layers):
     return bool(flags & os.CLONE_NEWPID)
 
 
+def _make_private(layers):
+    """Make every mount of the new mount namespace private: nothing done here propagates to the host."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.mount(None, b"/", None, (1 << 14) | (1 << 18), None) != 0:  # MS_REC | MS_PRIVATE
+        layers["mounts_error"] = f"mount --make-rprivate /: {os.strerror(ctypes.get_errno())}"
+        return False
+    return True
+
+
+def _blocker(path):
+    """The highest folder above `path` that a uid owning nothing, in no group, may not enter (or None)."""
+    parts = os.path.realpath(path).split(os.sep)[1:-1]
+    for i in range(1, len(parts) + 1):
+        folder = os.sep + os.sep.join(parts[:i])
+        try:
+            if not os.stat(folder).st_mode & 0o001:
+                return folder
+        except OSError:
+            return None
+    return None
+
+
+def _expose(paths, layers, writable=""):
+    """As root, in the new mount namespace, before becoming an unprivileged uid: the interpreter may sit
+    below a folder only root may enter (a pyenv under /root, 0700). Hide each such folder under an empty
+    tmpfs (mode 0755) and bind-mount back, read-only, only the needed paths: the program can import the
+    standard library without any capability, and sees nothing else of that folder. `writable` (the
+    working directory, when `work_root` is below such a folder) is bound back writable."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    ms_rdonly, ms_nosuid, ms_nodev, ms_remount, ms_bind, ms_rec = 1, 2, 4, 32, 4096, 1 << 14
+    hidden = {}
+    for p in sorted({os.path.realpath(p) for p in paths if os.path.exists(p)}):
+        top = _blocker(p)
+        if top and not any(p == q or p.startswith(q + os.sep) for q in hidden.get(top, [])):
+            hidden.setdefault(top, []).append(p)
+    exposed = []
+    for top, below in hidden.items():
+        fds = [os.open(p, os.O_PATH | os.O_CLOEXEC) for p in below]  # before the tmpfs hides them
+        if libc.mount(b"tmpfs", top.encode(), b"tmpfs", ms_nosuid | ms_nodev, b"size=1m,nr_inodes=1024,mode=0755") != 0:
+            layers["expose_error"] = f"mount tmpfs over {top}: {os.strerror(ctypes.get_errno())}"
+            return
+        for p, fd in zip(below, fds):
+            if os.path.isdir(f"/proc/self/fd/{fd}"):
+                os.makedirs(p, mode=0o755, exist_ok=True)
+            else:
+                os.makedirs(os.path.dirname(p), mode=0o755, exist_ok=True)
+                open(p, "a").close()
+            src = f"/proc/self/fd/{fd}".encode()
+            ro = 0 if p == writable else ms_rdonly
+            if libc.mount(src, p.encode(), None, ms_bind | ms_rec, None) != 0 or libc.mount(
+                    None, p.encode(), None, ms_remount | ms_bind | ro | ms_nosuid | ms_nodev, None) != 0:
+                layers["expose_error"] = f"bind-mount {p}: {os.strerror(ctypes.get_errno())}"
+                return
+            os.close(fd)
+            exposed.append(p)
+    if exposed:
+        layers["exposed"] = exposed
+
+
 def _private_tmpfs(spec, layers):
     """In the new mount namespace: a tmpfs of `disk_mib` over the working directory, so the program's
     files are bounded in total, invisible outside, and gone with the namespace."""
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
-    ms_rec, ms_private, ms_nosuid, ms_nodev = 1 << 14, 1 << 18, 2, 4
-    if libc.mount(None, b"/", None, ms_rec | ms_private, None) != 0:  # nothing propagates back to the host
-        layers["tmpfs_error"] = f"mount --make-rprivate /: {os.strerror(ctypes.get_errno())}"
-        return
-    opts = f"size={int(spec['disk_mib'])}m,mode=0700".encode()
+    ms_nosuid, ms_nodev = 2, 4
+    # nr_inodes: a program creating empty files must not pin unbounded kernel memory (1 inode per 4 KiB)
+    opts = f"size={int(spec['disk_mib'])}m,nr_inodes={max(64, int(spec['disk_mib']) * 256)},mode=0700".encode()
     if libc.mount(b"tmpfs", spec["workdir"].encode(), b"tmpfs", ms_nosuid | ms_nodev, opts) != 0:
         layers["tmpfs_error"] = f"mount tmpfs: {os.strerror(ctypes.get_errno())}"
         return
@@ -169,8 +234,7 @@ def _landlock(spec, layers):
         layers["landlock_error"] = f"landlock_create_ruleset: {os.strerror(ctypes.get_errno())}"
         return 0
     rules = {spec["workdir"]: read | write, "/dev/null": (read | write) & file_only}
-    python_dirs = [sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path, os.path.dirname(sys.executable)]
-    for path in [*spec["readable_paths"], *python_dirs]:
+    for path in [*spec["readable_paths"], *_python_dirs(spec)]:
         rules.setdefault(os.path.realpath(path), read)
     ok = True
     for path, allowed in rules.items():
@@ -194,43 +258,116 @@ def _landlock(spec, layers):
     return abi
 
 
+def _python_dirs(spec):
+    return [sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path, os.path.dirname(sys.executable),
+            os.path.dirname(os.path.realpath(sys.executable))]
+
+
+def _capset(libc, ctypes, effective, permitted):
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+    data = (Data * 2)(Data(effective, permitted, 0), Data(0, 0, 0))
+    if libc.capset(ctypes.byref(Header(0x20080522, 0)), data) != 0:  # _LINUX_CAPABILITY_VERSION_3
+        raise OSError(ctypes.get_errno(), "capset")
+
+
 def _drop_privileges(spec, layers):
-    """As root: become `drop_to_uid`. The interpreter may live where only root reads (a pyenv under
-    /root): when Landlock bounds reads, keep CAP_DAC_READ_SEARCH (read any file Landlock allows)."""
-    uid = spec["drop_to_uid"]
-    if os.geteuid() != 0 or not uid:
-        return
+    """Drop every capability (bounding set, ambient, inheritable, permitted, effective) and, as root,
+    become the call's own uid / gid with no supplementary groups. The one exception, recorded in
+    `layers`: without a mount namespace to expose an interpreter only root may read, and with Landlock
+    bounding reads, CAP_DAC_READ_SEARCH is kept so the standard library can be imported."""
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
-    keep_read = bool(layers.get("landlock_abi"))
-    os.chown(spec["workdir"], uid, uid)
-    if keep_read:
-        libc.prctl(8, 1, 0, 0, 0)  # PR_SET_KEEPCAPS: the permitted set survives setuid
-    os.setgroups([])
-    os.setgid(uid)
-    os.setuid(uid)
-    layers["uid"] = uid
-    stdlib = os.path.dirname(os.__file__)
-    if not keep_read and not os.access(stdlib, os.R_OK | os.X_OK):
-        sys.stderr.write(f"uid {uid} cannot read the interpreter's standard library {stdlib}, and without "
-                         "Landlock the sandbox does not keep CAP_DAC_READ_SEARCH: install Python where that uid "
-                         "can read it, or enable Landlock, or set drop_to_uid: 0 (root, unsafe)\n")
-        sys.exit(2)
-    if keep_read:
+    uid = spec["uid"] if os.geteuid() == 0 else 0
+    keep = 0
+    if uid and any(_blocker(d) for d in _python_dirs(spec) if os.path.exists(d)):
+        if not layers.get("landlock_abi"):
+            sys.stderr.write(f"uid {uid} cannot read the interpreter's folders and neither a mount namespace "
+                             "nor Landlock is available: install Python where any uid can read it, or set "
+                             "drop_to_uid: 0 (root, unsafe)\n")
+            sys.exit(2)
+        keep = 1 << 2  # CAP_DAC_READ_SEARCH
+    for cap in range(64):  # needs CAP_SETPCAP: before the uid change (past the last one: EINVAL, harmless)
+        if not keep >> cap & 1:
+            libc.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP
+    libc.prctl(47, 4, 0, 0, 0)  # PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL
+    if uid:
+        os.chown(spec["workdir"], uid, uid)
+        if keep:
+            libc.prctl(8, 1, 0, 0, 0)  # PR_SET_KEEPCAPS: the permitted set survives setuid
+        os.setgroups([])
+        os.setgid(uid)
+        os.setuid(uid)
+        layers["uid"] = uid
+        libc.prctl(8, 0, 0, 0, 0)
+    _capset(libc, ctypes, keep, keep)
+    status = dict(line.split(":\t", 1) for line in open("/proc/self/status").read().splitlines() if ":\t" in line)
+    caps = {k: int(status.get(k, "0"), 16) for k in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb")}
+    if any(v & ~keep for k, v in caps.items() if k != "CapBnd"):
+        raise OSError(f"capabilities left after the drop: {caps}")
+    layers["capabilities"] = "CAP_DAC_READ_SEARCH (no mount namespace to expose the interpreter)" if keep else "none"
+    if caps["CapBnd"] & ~keep:  # not root and no user namespace: no CAP_SETPCAP to shrink it; none can be gained
+        layers["capabilities"] += " (bounding set kept: unprivileged, no_new_privs)"
 
-        class Header(ctypes.Structure):
-            _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
 
-        class Data(ctypes.Structure):
-            _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
-                        ("inheritable", ctypes.c_uint32)]
+_ARCH = {"x86_64": (0xC000003E, {"socket": 41, "unshare": 272, "setns": 308, "clone": 56}),
+         "aarch64": (0xC00000B7, {"socket": 198, "unshare": 97, "setns": 268, "clone": 220})}
 
-        cap = 1 << 2  # CAP_DAC_READ_SEARCH
-        data = (Data * 2)(Data(cap, cap, 0), Data(0, 0, 0))
-        if libc.capset(ctypes.byref(Header(0x20080522, 0)), data) != 0:
-            raise OSError(ctypes.get_errno(), "capset CAP_DAC_READ_SEARCH")
-        layers["capabilities"] = "CAP_DAC_READ_SEARCH"
+
+def _seccomp(layers):
+    """A seccomp-bpf filter (kernel-enforced, inherited by every child, cannot be removed): `socket()`
+    of any family fails with EPERM (AF_UNIX path sockets too, which neither the network namespace nor
+    Landlock stops; `socketpair` stays: it connects to nothing), no new namespaces (`unshare`, `setns`,
+    `clone` with a CLONE_NEW* flag; `clone3`, whose flags a filter cannot read, answers ENOSYS so libc
+    falls back to `clone`), no io_uring (its operations bypass seccomp). Another architecture's
+    system call kills the process. An unknown machine records the layer as unavailable."""
+    import ctypes
+
+    machine = os.uname().machine
+    if machine not in _ARCH:
+        layers["seccomp_error"] = f"no system call table for {machine}"
+        return
+    arch, nr = _ARCH[machine]
+    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+    allow, eperm, enosys, kill = 0x7FFF0000, 0x00050000 | 1, 0x00050000 | 38, 0x80000000
+    clone_new = 0x7E020000  # NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET
+    prog = [(ld, 4), (jeq, arch, "next", "kill"), (ld, 0)]
+    if machine == "x86_64":
+        prog.append((jge, 0x40000000, "eperm", "next"))  # the x32 ABI
+    for name in ("socket", "unshare", "setns"):
+        prog.append((jeq, nr[name], "eperm", "next"))
+    for n in (425, 426, 427):  # io_uring_setup, io_uring_enter, io_uring_register (both tables)
+        prog.append((jeq, n, "eperm", "next"))
+    prog += [(jeq, 435, "enosys", "next"),  # clone3
+             (jeq, nr["clone"], "next", "allow"), (ld, 16), (jset, clone_new, "eperm", "allow"),
+             ("allow", ret, allow), ("eperm", ret, eperm), ("enosys", ret, enosys), ("kill", ret, kill)]
+    labels = {ins[0]: i for i, ins in enumerate(prog) if isinstance(ins[0], str)}
+
+    class Filter(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8), ("k", ctypes.c_uint32)]
+
+    class Prog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Filter))]
+
+    code = []
+    for i, ins in enumerate(prog):
+        if isinstance(ins[0], str):
+            ins = ins[1:]
+        op, k, *jumps = ins
+        jt, jf = (0 if j == "next" else labels[j] - i - 1 for j in jumps) if jumps else (0, 0)
+        code.append(Filter(op, jt, jf, k))
+    arr = (Filter * len(code))(*code)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
+    if libc.prctl(22, 2, ctypes.byref(Prog(len(code), arr)), 0, 0) != 0:  # PR_SET_SECCOMP, FILTER
+        layers["seccomp_error"] = f"seccomp: {os.strerror(ctypes.get_errno())}"
+        return
+    layers["seccomp"] = "socket, unshare, setns, clone(CLONE_NEW*), clone3, io_uring refused"
 
 
 def _audit_hook(workdir):
@@ -282,6 +419,9 @@ def _audit_hook(workdir):
 def main():
     spec = json.loads(sys.argv[1])
     layers = {}
+    # the call's own uid (as root): the worker's host pid is unique while the call lives
+    base = spec["per_call_uid_base"]
+    spec["uid"] = 0 if not spec["drop_to_uid"] else (base + os.getpid() if base else spec["drop_to_uid"])
     base_tasks = _tasks_of_uid(os.getuid()) if os.geteuid() != 0 else 0
     trainer = os.getppid()
     in_new_pid_ns = _unshare(spec, layers)
@@ -289,8 +429,12 @@ def main():
         child = os.fork()  # the child is init of the new PID namespace and runs the program
         if child:
             _reap_as_parent(child, trainer)
-    if layers.get("mount_namespace"):
-        _private_tmpfs(spec, layers)
+    if layers.get("mount_namespace") and _make_private(layers):
+        if os.geteuid() == 0 and spec["uid"]:
+            workdir = os.path.realpath(spec["workdir"])
+            _expose([*spec["readable_paths"], *_python_dirs(spec), workdir], layers, writable=workdir)
+        if spec["disk_mib"]:
+            _private_tmpfs(spec, layers)
     os.chdir(spec["workdir"])
     if spec["landlock"]:
         _landlock(spec, layers)
@@ -307,6 +451,10 @@ def main():
     global traceback
     import traceback
 
+    if spec["seccomp"]:
+        _seccomp(layers)
+    # /proc is the host's: this is the host pid of the namespace's init, which the trainer kills
+    layers["init_pid"] = int(os.readlink("/proc/self"))
     out = sys.stdout
     out.write(READY + json.dumps(layers) + "\n")
     out.flush()

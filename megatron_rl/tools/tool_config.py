@@ -109,9 +109,12 @@ def load_tool_config(tool_config_path: str | Path) -> list[ToolSpec]:
     except yaml.YAMLError as e:
         raise ValueError(f"{path}: not valid YAML: {e}") from None
     _check_keys(str(path), data, TOP_KEYS)
-    entries = data.get("tools") or []
-    if not isinstance(entries, list):
-        raise ValueError(f"{path}: 'tools' must be a list of tool entries, got {type(entries).__name__}")
+    entries = data.get("tools")
+    if entries is not None and not isinstance(entries, list):
+        raise ValueError(f"{path}: tools: must be a list of tool entries, got {type(entries).__name__}")
+    if not entries:  # a tool recipe without a tool would train without it, silently
+        raise ValueError(f"{path}: tools: no tool is configured (give at least one entry with 'name' or "
+                         "'class_name')")
     specs = []
     for i, entry in enumerate(entries):
         where = f"{path}: tools[{i}]"
@@ -141,6 +144,8 @@ def build_tools(tool_config_path: str | Path) -> dict[str, Tool]:
                 tool = spec.cls(**spec.config)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"{spec.where}.config: {e}") from None
+            except RuntimeError as e:  # e.g. SandboxError: the tool cannot start here; same type, located
+                raise type(e)(f"{spec.where}: {e}") from e
             if spec.schema:
                 for attr in ("name", "description", "parameters"):
                     if attr in spec.schema:
