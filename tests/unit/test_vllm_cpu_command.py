@@ -173,9 +173,18 @@ class UnquantizedEmbeddingMethod:  # vLLM's class name; counts the repacks
     calls = 0
     def process_weights_after_loading(self, layer): UnquantizedEmbeddingMethod.calls += 1
 layers = torch.nn.ModuleList([torch.nn.Module() for _ in range(3)])
-layers[0].quant_method, layers[0].cpu_linear = UnquantizedEmbeddingMethod(), None  # a CPU lm_head
+layers[0].quant_method, layers[0].cpu_linear = UnquantizedEmbeddingMethod(), None  # a CPU embedding-method layer
 layers[1].quant_method = UnquantizedEmbeddingMethod()  # no CPU GEMM (a GPU layer)
-print("refreshed", refresh_cpu_lm_heads(layers), UnquantizedEmbeddingMethod.calls, flush=True)
+print("refreshed", refresh_cpu_lm_heads(layers), UnquantizedEmbeddingMethod.calls, flush=True)  # no head class: all
+class VocabParallelEmbedding(torch.nn.Module): pass
+class ParallelLMHead(VocabParallelEmbedding): pass
+def layer(cls, weight):
+    m = cls(); m.quant_method, m.cpu_linear, m.weight = UnquantizedEmbeddingMethod(), None, weight; return m
+shared, own = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+UnquantizedEmbeddingMethod.calls = 0
+tied = torch.nn.ModuleList([layer(VocabParallelEmbedding, shared), layer(ParallelLMHead, shared)])
+untied = torch.nn.ModuleList([layer(VocabParallelEmbedding, shared), layer(ParallelLMHead, own)])
+print("tied", refresh_cpu_lm_heads(tied), "untied", refresh_cpu_lm_heads(untied), UnquantizedEmbeddingMethod.calls, flush=True)
 print(json.dumps({n: [str(w.dtype), w.float().tolist()] for n, w in engine.model.loaded}))
 """
 
@@ -215,6 +224,7 @@ def test_gloo_plugin_engine_receives_from_the_trainers_group():
     assert lines[0].startswith("packed refused: the gloo weight transfer receives one broadcast per tensor")
     assert lines.index("finalized") < lines.index("update failed: load of d failed ['c']")  # received ahead, loaded in order, stopped at "d"
     assert "refreshed 1 1" in lines  # only the layer with a CPU GEMM is repacked (tied lm_head fix)
+    assert "tied 1 untied 0 1" in lines  # only a tied head: the reload repacked the embedding and an untied head
     assert json.loads(lines[-1]) == {"a": ["torch.float32", a.tolist()], "b": ["torch.bfloat16", b.float().tolist()]}
 
 

@@ -145,8 +145,8 @@ def join_group(host: str, port: int, world_size: int, rank: int, group_name: str
 
 
 def refresh_cpu_lm_heads(model: torch.nn.Module) -> int:
-    """Re-run ``process_weights_after_loading`` of every layer with vLLM's embedding method and a
-    CPU GEMM (``cpu_linear``); returns how many.
+    """Re-run ``process_weights_after_loading`` of the tied LM heads among the layers with vLLM's
+    embedding method and a CPU GEMM (``cpu_linear``); returns how many.
 
     On CPU, ``UnquantizedEmbeddingMethod.process_weights_after_loading`` packs a copy of the weight
     for the logits GEMM (``dispatch_cpu_unquantized_gemm(layer, remove_weight=False)``). With tied
@@ -154,14 +154,22 @@ def refresh_cpu_lm_heads(model: torch.nn.Module) -> int:
     reload copies a new ``embed_tokens.weight`` into the shared tensor and repacks ``embed_tokens``,
     but ``lm_head`` loads nothing itself, so its packed copy keeps the old weights and the logits
     come from them (found by megatron-rl's live tier: 34 nats off after an embedding update).
+
+    Only a ``ParallelLMHead`` whose weight is another such layer's is repacked: the reload already
+    repacked the embedding and an untied head (each received its own tensor). The repack of a large
+    vocabulary is most of a CPU sync (py-spy of benchmarks/vllm_cpu.py --part sync: 3 repacks of the
+    65536 x 2048 embedding per sync when every layer was refreshed, 2 now). A model without any layer
+    of that class (another structure) gets every such layer refreshed, as before.
     """
-    count = 0
-    for module in model.modules():
-        method = getattr(module, "quant_method", None)
-        if hasattr(module, "cpu_linear") and type(method).__name__ == "UnquantizedEmbeddingMethod":
-            method.process_weights_after_loading(module)
-            count += 1
-    return count
+    layers = [m for m in model.modules() if hasattr(m, "cpu_linear")
+              and type(getattr(m, "quant_method", None)).__name__ == "UnquantizedEmbeddingMethod"]
+    heads = [m for m in layers if any(c.__name__ == "ParallelLMHead" for c in type(m).__mro__)]
+    if heads:
+        weights = {id(getattr(m, "weight", None)) for m in layers if m not in heads}
+        layers = [m for m in heads if id(getattr(m, "weight", None)) in weights]
+    for module in layers:
+        module.quant_method.process_weights_after_loading(module)
+    return len(layers)
 
 
 RECEIVE_AHEAD_BYTES = 1 << 30
