@@ -160,7 +160,8 @@ DA3PO_SAME = ("rollout/token_checksum", "perf/generated_tokens", "train/acc", "t
 DA3PO_CLOSE = ("train/loss", "train/grad_norm")
 
 
-@pytest.mark.timeout(5400)
+@pytest.mark.slow  # ~3.5 min each on 2 cores; CI covers tp2 and pp2 with the CI recipe (DA3PO, 3 steps):
+@pytest.mark.timeout(5400)  # test_layout_matches_one_process
 @pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
 def test_da3po_recipe_matches_one_process(da3po_one_process, tmp_path, tp, pp):
     want, want_summary = da3po_one_process
