@@ -239,7 +239,10 @@ def _eval(argv: list[str]) -> int:
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="HF model folder, hub id ORG/NAME[@REVISION] (local HF cache), or megatron "
                      "run dir / iter_NNNNNNN folder")
-    src.add_argument("--server-url", help="a running server speaking SGLang's HTTP API")
+    src.add_argument("--server-url", help="a running server speaking SGLang's HTTP API (or vLLM's: --server-backend vllm)")
+    parser.add_argument("--server-backend", default="sglang", choices=["sglang", "vllm"],
+                        help="with --server-url: its HTTP API, sglang (SGLang, the embedded server) or vllm "
+                             "(rollout.backend's names)")
     parser.add_argument("--data", nargs="+", required=True,
                         help="benchmarks (aime24 aime25 amc23 math500 gsm8k) or verl-format files (PATH[:ADAPTER])")
     parser.add_argument("--out", required=True, help="output folder (results.json, per_problem/*.jsonl)")
@@ -279,7 +282,8 @@ def _eval(argv: list[str]) -> int:
                             max_problems=args.max_problems)
     try:
         results = run_eval(datasets=args.data, out_dir=args.out, checkpoint=args.checkpoint,
-                           server_url=args.server_url, tokenizer_path=args.tokenizer, data_dir=args.data_dir,
+                           server_url=args.server_url, server_backend=args.server_backend,
+                           tokenizer_path=args.tokenizer, data_dir=args.data_dir,
                            settings=settings, num_reward_workers=args.reward_workers,
                            server_args=[a for x in args.server_arg for a in x.split()],
                            max_concurrency=args.max_concurrency, multi_turn=_eval_multi_turn(args))

@@ -260,7 +260,7 @@ def _is_hf_folder(p: Path) -> bool:
 
 
 def run_eval(*, datasets: Sequence[str], out_dir: str | os.PathLike, checkpoint: Optional[str] = None,
-             server_url: Optional[str] = None, tokenizer_path: Optional[str] = None,
+             server_url: Optional[str] = None, server_backend: str = "sglang", tokenizer_path: Optional[str] = None,
              data_dir: Optional[str] = None, settings: Optional[EvalSettings] = None,
              num_reward_workers: int = 2, reward_timeout_s: float = 30.0, server_args: Sequence[str] = (),
              startup_timeout_s: float = 300.0, max_concurrency: int = 256, multi_turn=None) -> dict:
@@ -271,7 +271,9 @@ def run_eval(*, datasets: Sequence[str], out_dir: str | os.PathLike, checkpoint:
         out_dir: output folder.
         checkpoint: HF model folder, or megatron run dir / `iter_NNNNNNN` folder (exported to HF
             under `<out_dir>/hf_model` first). Exactly one of `checkpoint` / `server_url`.
-        server_url: a running server speaking SGLang's HTTP API.
+        server_url: a running server speaking SGLang's HTTP API, or vLLM's (`server_backend`).
+        server_backend: the API of `server_url`: `sglang` (SGLang, the embedded server) or `vllm`
+            (`VLLMClient`: `/v1/completions` with token ids).
         tokenizer_path: tokenizer folder (default: the checkpoint, or the server's `model_path`).
         data_dir: folder holding the benchmark files (default `default_data_dir()`).
         settings: `EvalSettings` (DAPO defaults).
@@ -285,7 +287,7 @@ def run_eval(*, datasets: Sequence[str], out_dir: str | os.PathLike, checkpoint:
         The results dict (also in `<out_dir>/results.json`).
 
     Raises:
-        ValueError: neither or both of checkpoint/server_url; no datasets.
+        ValueError: neither or both of checkpoint/server_url; no datasets; an unknown `server_backend`.
         FileNotFoundError: a missing checkpoint or dataset file.
         RolloutServerError: the server did not start (its log tail is in the message).
     """
@@ -337,7 +339,14 @@ def run_eval(*, datasets: Sequence[str], out_dir: str | os.PathLike, checkpoint:
             settings.extra["model"] = str(checkpoint) if looks_like_hub_id(str(checkpoint)) and not Path(
                 str(checkpoint)).exists() else str(ckpt)
         else:
-            client = RolloutClient(server_url)
+            if server_backend not in ("sglang", "vllm"):
+                raise ValueError(f"server_backend {server_backend!r}: expected 'sglang' or 'vllm'")
+            if server_backend == "vllm":
+                from megatron_rl.rollout.vllm_client import VLLMClient
+
+                client = VLLMClient(server_url)
+            else:
+                client = RolloutClient(server_url)
             client.wait_healthy(timeout_s=startup_timeout_s)
             tok_path = tokenizer_path or client.model_info().get("tokenizer_path") or client.model_info().get("model_path")
             if not tok_path or not Path(tok_path).exists():

@@ -305,3 +305,26 @@ def test_a_failed_weight_update_stops_the_run_naming_the_engine(vllm_engines, tm
     print(f"failed update: the run stopped {stop_s:.1f} s after the fault was switched on "
           f"({time.perf_counter() - t0:.0f} s in all); its error: "
           f"{next(line for line in err.splitlines() if 'failed twice' in line)[:600]}")
+
+
+def test_eval_cli_against_a_vllm_server(vllm_server, tmp_path):
+    """``megatron-rl eval --server-url URL --server-backend vllm`` on a running vLLM CPU engine: the
+    tokenizer is the folder vLLM reports (``/v1/models`` root), every problem gets ``--n`` responses,
+    and the accuracy is the mean of the per-problem rewards it wrote."""
+    import json
+    import sys
+
+    server, _ = vllm_server
+    out = tmp_path / "eval"
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_rl.cli", "eval", "--server-url", server.base_url, "--server-backend", "vllm",
+         "--data", str(MODEL.parent / "data" / "test.jsonl"), "--n", "2", "--max-problems", "6",
+         "--max-new-tokens", "48", "--top-p", "1.0", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=MODEL.parents[2])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    rows = [json.loads(line) for line in (out / "per_problem" / "test.jsonl").read_text().splitlines()]
+    assert len(rows) == 6 and all(len(r["responses"]) == 2 and r["n"] == 2 for r in rows)
+    assert all(x["length"] > 0 for r in rows for x in r["responses"])
+    acc = [x["acc"] for r in rows for x in r["responses"]]
+    assert results["datasets"]["test"]["avg@2"]["value"] == pytest.approx(sum(acc) / len(acc))
