@@ -88,6 +88,10 @@ class SandboxConfig:
     """Run in a new network namespace (no interfaces up: no network at all)."""
     pid_namespace: bool = True
     """Run as init of a new PID namespace (killing it kills every process the program started)."""
+    ipc_namespace: bool = True
+    """Run in a new IPC namespace: SysV shared memory, message queues, semaphores and POSIX message
+    queues are the call's own, bounded (shared memory to `memory_mib` in all) and gone with it. Off, or
+    where no namespace can be made, seccomp refuses `shmget`, `msgget`, `semget` and `mq_open`."""
     landlock: bool = True
     """Landlock: writes only below the working directory, TCP refused (Linux >= 5.13)."""
     readable_paths: list[str] = field(default_factory=lambda: list(_READABLE))
@@ -96,6 +100,9 @@ class SandboxConfig:
     seccomp: bool = True
     """A seccomp-bpf filter: `socket()` of any family refused (unix path sockets included), no new
     namespaces, no io_uring (x86_64 and aarch64; elsewhere the layer is recorded as unavailable)."""
+    allow_memfd: bool = False
+    """Let the program call `memfd_create` (refused by seccomp by default: its memory is not counted
+    by RLIMIT_AS)."""
     audit_hook: bool = True
     """A `sys.addaudithook` guard in the program's interpreter (bypassable; the last layer)."""
     drop_to_uid: int = 65534
@@ -141,7 +148,8 @@ class SandboxConfig:
         if not isinstance(self.readable_paths, list) or not all(isinstance(p, str) for p in self.readable_paths):
             # a bare string would be iterated character by character: "/" makes the whole filesystem readable
             raise ValueError(f"sandbox readable_paths must be a list of paths, got {self.readable_paths!r}")
-        for name in ("network_namespace", "pid_namespace", "landlock", "seccomp", "audit_hook",
+        for name in ("network_namespace", "pid_namespace", "ipc_namespace", "landlock", "seccomp", "allow_memfd",
+                     "audit_hook",
                      "require_network_isolation", "site_packages"):
             if not isinstance(getattr(self, name), bool):  # 'false' (a string) would leave the layer on
                 raise ValueError(f"sandbox {name} must be true or false, got {getattr(self, name)!r}")
@@ -200,6 +208,19 @@ class Sandbox(ABC):
         """Stop workers and delete their folders. Calling it twice is harmless."""
 
 
+def _readable(fd: int, timeout_s: float) -> bool:
+    """Whether `fd` (a pidfd: readable once its process exited) becomes readable within `timeout_s`.
+    poll, never select.select: a trainer with >= 1024 open files has descriptors select cannot take."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+
+
 def _ppid(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -251,7 +272,8 @@ class _Worker:
     def __init__(self, cfg: SandboxConfig) -> None:
         self.workdir = tempfile.mkdtemp(prefix="mrl-tool-", dir=cfg.work_root or None)
         keys = ("cpu_time_s", "memory_mib", "max_processes", "max_open_files", "max_file_size_mib", "disk_mib",
-                "network_namespace", "pid_namespace", "landlock", "seccomp", "audit_hook", "drop_to_uid",
+                "network_namespace", "pid_namespace", "ipc_namespace", "landlock", "seccomp", "allow_memfd",
+                "audit_hook", "drop_to_uid",
                 "per_call_uid_base", "readable_paths", "preload_modules")
         spec = {"workdir": self.workdir, **{k: getattr(cfg, k) for k in keys}}
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": self.workdir,
@@ -321,10 +343,14 @@ class _Worker:
                 pass
             if self.init_pid != self.proc.pid:  # the worker outside reaps it (no zombie left) and exits
                 try:
-                    with open(os.pidfd_open(self.proc.pid), "rb", buffering=0) as worker_fd:
-                        select.select([worker_fd], [], [], 2)
+                    worker_fd = os.pidfd_open(self.proc.pid)
                 except ProcessLookupError:
                     pass
+                else:
+                    try:
+                        _readable(worker_fd, 2)
+                    finally:
+                        os.close(worker_fd)
         for kill, target in ((os.killpg, self.proc.pid), (os.kill, self.proc.pid)):
             try:
                 kill(target, signal.SIGKILL)
@@ -337,7 +363,7 @@ class _Worker:
         still runs as the call's own uid (the fallback without a PID namespace). Nothing of the call
         survives it."""
         if self.init_fd is not None:
-            if not select.select([self.init_fd], [], [], 5)[0]:
+            if not _readable(self.init_fd, 5):
                 logger.warning("the sandbox program's process did not exit within 5 s of SIGKILL")
             os.close(self.init_fd)
             self.init_fd = None
@@ -347,13 +373,15 @@ class _Worker:
 
     def cleanup(self) -> None:
         """After `kill` and the worker's exit: `finish`, close the pipes, delete the folder."""
-        self.finish()
-        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
-            try:
-                f.close()
-            except OSError:
-                pass
-        shutil.rmtree(self.workdir, ignore_errors=True)
+        try:
+            self.finish()
+        finally:  # the pipes and the folder go even if `finish` failed
+            for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+                try:
+                    f.close()
+                except OSError:
+                    pass
+            shutil.rmtree(self.workdir, ignore_errors=True)
         if os.path.exists(self.workdir):
             logger.warning("could not remove the sandbox folder %s", self.workdir)
 
@@ -456,13 +484,22 @@ class ProcessSandbox(Sandbox):
             result = self._run_in(worker, data)
             result.layers = dict(worker.layers or {}, warm=warm)
             return result
-        finally:
-            worker.kill()
+        finally:  # each step on its own: one that fails must not skip the others (a leaked folder or group)
+            try:
+                worker.kill()
+            except Exception:
+                logger.exception("killing sandbox worker %d failed", worker.proc.pid)
             try:
                 worker.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 logger.warning("sandbox worker %d did not exit after SIGKILL", worker.proc.pid)
-            worker.cleanup()
+            except Exception:
+                logger.exception("waiting for sandbox worker %d failed", worker.proc.pid)
+            try:
+                worker.cleanup()
+            except Exception:
+                logger.exception("cleaning up after sandbox worker %d failed", worker.proc.pid)
+                shutil.rmtree(worker.workdir, ignore_errors=True)
             self._refill_in_background()
 
     def _run_in(self, worker: _Worker, data: bytes) -> SandboxResult:
