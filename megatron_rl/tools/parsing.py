@@ -54,7 +54,9 @@ def _code_bodies(text: str, limit: int) -> tuple[list[str], str]:
     """The programs of the ```python blocks (opener, spaces or tabs, a newline, the program, the next
     fence: what the old regex found), linear like
     `_hermes_bodies`: an opener not followed by a newline is skipped; the scan stops at the first block
-    without a closing fence (no later block can close either) or past `limit` blocks ("too many")."""
+    without a closing fence (no later block can close either) or past `limit` blocks ("too many").
+    The regex it replaces was not quadratic (each opener holds a fence that closes the block before
+    it, so only the last block can be unclosed); it is replaced for the shared cap."""
     bodies: list[str] = []
     pos = 0
     while True:
@@ -139,10 +141,10 @@ def run_tool_call(call: ToolCall | ToolResult, tools: Mapping[str, Tool]) -> Too
     if tool is None:
         names = ", ".join(sorted(tools)) or "none"
         return ToolResult(ok=False, error=f"unknown tool {call.name!r}; available tools: {names}")
-    why = tool.check_arguments(call.arguments)
-    if why:
-        return ToolResult(ok=False, error=why)
-    try:
+    try:  # check_arguments too: a tool's broken schema is its failure, not the model's
+        why = tool.check_arguments(call.arguments)
+        if why:
+            return ToolResult(ok=False, error=why)
         return tool.call(call.arguments)
     except Exception as e:  # the tool's infrastructure failed: never the trainer's crash, never a reward of 0
         logger.exception("tool %r raised", call.name)
