@@ -10,8 +10,9 @@ directory as cwd. Before it says "ready" on stdout it puts itself behind every l
    host pid in the ready line: the trainer kills it by pidfd, which kills every process the program
    started, whatever session it moved to); a new mount namespace with a tmpfs of `disk_mib` (and
    bounded inodes) over the working directory, and, as root, a folder only root may enter hidden under
-   an empty tmpfs with only the interpreter's folders bind-mounted back read-only. Without root a new
-   user namespace comes first (needs unprivileged user namespaces);
+   an empty tmpfs with only the interpreter's folders bind-mounted back read-only; a new IPC namespace
+   (SysV IPC and POSIX message queues of the call alone, shared memory bounded to `memory_mib`, gone
+   with the call). Without root a new user namespace comes first (needs unprivileged user namespaces);
 2. resource limits (`setrlimit`): CPU seconds, address space, processes, open files, file size;
 3. Landlock (Linux >= 5.13, unprivileged): writes, creates, removes only below the working
    directory; TCP connect and bind refused (ABI >= 4); signals and abstract unix sockets scoped
@@ -19,7 +20,8 @@ directory as cwd. Before it says "ready" on stdout it puts itself behind every l
 4. every capability dropped (bounding, ambient, inheritable, permitted, effective) and, when
    started as root, all groups dropped and the uid / gid set to the call's own unprivileged one
    (`per_call_uid_base` + this worker's host pid; `RLIMIT_NPROC` then counts this call alone);
-5. seccomp-bpf: `socket()` refused (unix path sockets included), no new namespaces, no io_uring;
+5. seccomp-bpf: `socket()` refused (unix path sockets included), no new namespaces, no io_uring, no
+   kernel keyrings, no `memfd_create` (unless `allow_memfd`), no SysV IPC without an IPC namespace;
 6. after the program arrives: a `sys.addaudithook` hook that refuses sockets, subprocesses,
    `exec`, `ctypes`, writes outside the working directory and `/proc/<other pid>` (a guard in the
    same interpreter, disabled from Python in a few lines: a friendly error, never the boundary; the
