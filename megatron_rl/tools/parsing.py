@@ -20,8 +20,60 @@ from megatron_rl.tools.base import Tool, ToolCall, ToolResult
 logger = logging.getLogger(__name__)
 
 FORMATS = ("hermes", "code")
-_HERMES = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-_CODE = re.compile(r"```python[^\S\n]*\n(.*?)```", re.DOTALL)
+MAX_CALLS_PER_TURN = 64
+"""Calls read from one turn; past it one error says the rest were ignored (the rollout answers calls past
+`max_parallel_calls` with a refusal anyway, so a higher number only makes longer answers)."""
+_OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+_CODE_OPEN, _FENCE = "```python", "```"
+_CODE_GAP = re.compile(r"[^\S\n]*\n")  # after ```python: spaces or tabs, then the newline
+
+
+def _hermes_bodies(text: str, limit: int) -> tuple[list[str], str]:
+    """The bodies between `<tool_call>` and the next `</tool_call>`, leftmost first and not overlapping
+    (what `<tool_call>(.*?)</tool_call>` finds), and "unclosed" when an opener has no closer after it or
+    "too many" past `limit` bodies, else "". Linear: each `find` starts where the last ended and the
+    scan stops at the first opener without a closer. The regex it replaces searched to the end of the
+    text from every unclosed opener: 16000 openers took 52 s holding the GIL (breaker, pass 2); this
+    takes 0.1 ms for 20000 (measured on the same machine)."""
+    bodies: list[str] = []
+    pos = 0
+    while True:
+        start = text.find(_OPEN, pos)
+        if start < 0:
+            return bodies, ""
+        if len(bodies) >= limit:
+            return bodies, "too many"
+        end = text.find(_CLOSE, start + len(_OPEN))
+        if end < 0:
+            return bodies, "unclosed"
+        bodies.append(text[start + len(_OPEN):end])
+        pos = end + len(_CLOSE)
+
+
+def _code_bodies(text: str, limit: int) -> tuple[list[str], str]:
+    """The programs of the ```python blocks (opener, spaces or tabs, a newline, the program, the next
+    fence: what the old regex found), linear like
+    `_hermes_bodies`: an opener not followed by a newline is skipped; the scan stops at the first block
+    without a closing fence (no later block can close either) or past `limit` blocks ("too many").
+    The regex it replaces was not quadratic (each opener holds a fence that closes the block before
+    it, so only the last block can be unclosed); it is replaced for the shared cap."""
+    bodies: list[str] = []
+    pos = 0
+    while True:
+        start = text.find(_CODE_OPEN, pos)
+        if start < 0:
+            return bodies, ""
+        gap = _CODE_GAP.match(text, start + len(_CODE_OPEN))
+        if gap is None:
+            pos = start + 1
+            continue
+        if len(bodies) >= limit:
+            return bodies, "too many"
+        end = text.find(_FENCE, gap.end())
+        if end < 0:
+            return bodies, ""
+        bodies.append(text[gap.end():end])
+        pos = end + len(_FENCE)
 
 
 def _parse_hermes_body(body: str) -> ToolCall | ToolResult:
@@ -55,18 +107,26 @@ def _parse_hermes_body(body: str) -> ToolCall | ToolResult:
     return ToolCall(name=name, arguments=args)
 
 
-def parse_tool_calls(text: str, *, fmt: str = "hermes", code_tool: str = "python") -> list[ToolCall | ToolResult]:
+def parse_tool_calls(text: str, *, fmt: str = "hermes", code_tool: str = "python",
+                     max_calls: int = MAX_CALLS_PER_TURN) -> list[ToolCall | ToolResult]:
     """The tool calls in `text`, in order: a `ToolCall` for each well-formed one, a `ToolResult(ok=False)`
     with the reason for each malformed one (so the model is told). `fmt` is one of `FORMATS`;
-    `code_tool` names the tool that `"code"` blocks call. Raises `ValueError` for an unknown `fmt`."""
-    if fmt == "code":
-        return [ToolCall(name=code_tool, arguments={"code": m.group(1)}) for m in _CODE.finditer(text)]
-    if fmt != "hermes":
+    `code_tool` names the tool that `"code"` blocks call. At most `max_calls` calls are read; past them
+    one `ToolResult(ok=False)` says the rest were ignored. Hermes: an opener without a closer ends the
+    scan with one error. Linear in the text's length. Raises `ValueError` for an unknown `fmt`."""
+    if fmt not in FORMATS:
         raise ValueError(f"unknown tool call format {fmt!r}; valid: {', '.join(FORMATS)}")
-    out: list[ToolCall | ToolResult] = [_parse_hermes_body(m.group(1).strip()) for m in _HERMES.finditer(text)]
-    tail = _HERMES.sub("", text)
-    if "<tool_call>" in tail:
+    if fmt == "code":
+        bodies, stop = _code_bodies(text, max_calls)
+        out: list[ToolCall | ToolResult] = [ToolCall(name=code_tool, arguments={"code": b}) for b in bodies]
+    else:
+        bodies, stop = _hermes_bodies(text, max_calls)
+        out = [_parse_hermes_body(b.strip()) for b in bodies]
+    if stop == "unclosed":
         out.append(ToolResult(ok=False, error="malformed tool call: <tool_call> without a closing </tool_call>"))
+    elif stop == "too many":
+        out.append(ToolResult(ok=False, error=f"only the first {max_calls} tool calls of a turn are read; "
+                                              "the rest were ignored"))
     return out
 
 
@@ -81,10 +141,10 @@ def run_tool_call(call: ToolCall | ToolResult, tools: Mapping[str, Tool]) -> Too
     if tool is None:
         names = ", ".join(sorted(tools)) or "none"
         return ToolResult(ok=False, error=f"unknown tool {call.name!r}; available tools: {names}")
-    why = tool.check_arguments(call.arguments)
-    if why:
-        return ToolResult(ok=False, error=why)
-    try:
+    try:  # check_arguments too: a tool's broken schema is its failure, not the model's
+        why = tool.check_arguments(call.arguments)
+        if why:
+            return ToolResult(ok=False, error=why)
         return tool.call(call.arguments)
     except Exception as e:  # the tool's infrastructure failed: never the trainer's crash, never a reward of 0
         logger.exception("tool %r raised", call.name)

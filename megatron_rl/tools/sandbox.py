@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
+import re
 import select
 import selectors
 import shutil
@@ -45,6 +47,7 @@ _WORKER = Path(__file__).with_name("sandbox_worker.py")
 _READABLE = ("/usr", "/lib", "/lib64", "/bin", "/dev/urandom", "/dev/zero", "/proc/self", "/proc/thread-self",
              "/sys/devices/system/cpu", "/etc/ld.so.cache", "/etc/localtime", "/etc/os-release")
 _PID_MAX = 1 << 22  # the kernel's largest pid_max
+_MAX_WORKERS = 256  # the largest pool_size and max_concurrency (each a process or thread)
 _READY = b"__mrl_sandbox_ready__"  # sandbox_worker.READY (the worker is never imported here)
 
 
@@ -57,7 +60,7 @@ class SandboxConfig:
     """Limits and layers of `ProcessSandbox`; keys of the `python` tool's `config` in a tool config."""
 
     wall_timeout_s: float = 10.0
-    """Wall-clock limit of one call in seconds, start-up excluded (> 0); then the process group is killed."""
+    """Wall-clock limit of one call in seconds, start-up excluded (finite, > 0); then the process group is killed."""
     cpu_time_s: int = 5
     """CPU-time limit in seconds (RLIMIT_CPU, >= 1); the kernel kills the program at this plus 1 s."""
     memory_mib: int = 1024
@@ -81,13 +84,17 @@ class SandboxConfig:
     max_code_bytes: int = 1 << 20
     """A longer program is refused without running (bytes, >= 1)."""
     pool_size: int = 4
-    """Workers kept started and waiting (>= 0; 0 starts every call cold)."""
+    """Workers kept started and waiting (0 to 256; 0 starts every call cold)."""
     max_concurrency: int = 16
-    """Calls run at once by `run_many` (threads waiting on worker processes, >= 1)."""
+    """Calls run at once by `run_many` (threads waiting on worker processes, 1 to 256)."""
     network_namespace: bool = True
     """Run in a new network namespace (no interfaces up: no network at all)."""
     pid_namespace: bool = True
     """Run as init of a new PID namespace (killing it kills every process the program started)."""
+    ipc_namespace: bool = True
+    """Run in a new IPC namespace: SysV shared memory, message queues, semaphores and POSIX message
+    queues are the call's own, bounded (shared memory to `memory_mib` in all) and gone with it. Off, or
+    where no namespace can be made, seccomp refuses `shmget`, `msgget`, `semget` and `mq_open`."""
     landlock: bool = True
     """Landlock: writes only below the working directory, TCP refused (Linux >= 5.13)."""
     readable_paths: list[str] = field(default_factory=lambda: list(_READABLE))
@@ -95,7 +102,12 @@ class SandboxConfig:
     interpreter's own folders (`sys.prefix`, `sys.path`); a missing path is skipped."""
     seccomp: bool = True
     """A seccomp-bpf filter: `socket()` of any family refused (unix path sockets included), no new
-    namespaces, no io_uring (x86_64 and aarch64; elsewhere the layer is recorded as unavailable)."""
+    namespaces, no io_uring, no kernel keyrings (`add_key`, `request_key`, `keyctl`), no `memfd_create`
+    (unless `allow_memfd`), no SysV IPC or `mq_open` without an IPC namespace (x86_64 and aarch64;
+    elsewhere the layer is recorded as unavailable)."""
+    allow_memfd: bool = False
+    """Let the program call `memfd_create` (refused by seccomp by default: its memory is not counted
+    by RLIMIT_AS)."""
     audit_hook: bool = True
     """A `sys.addaudithook` guard in the program's interpreter (bypassable; the last layer)."""
     drop_to_uid: int = 65534
@@ -115,7 +127,7 @@ class SandboxConfig:
     preload_modules: list[str] = field(default_factory=list)
     """Modules each worker imports before the call (off the call's path), e.g. ["numpy", "sympy"]."""
     work_root: str = ""
-    """Folder under which each call's working directory is made ("" = the system temp folder)."""
+    """An existing folder under which each call's working directory is made ("" = the system temp folder)."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for the program; nothing else of the trainer's environment passes."""
 
@@ -123,15 +135,16 @@ class SandboxConfig:
         bounds = {"wall_timeout_s": (1e-9, None), "cpu_time_s": (1, None), "memory_mib": (64, None),
                   "max_processes": (1, None), "max_open_files": (16, None), "max_file_size_mib": (0, None),
                   "disk_mib": (0, None), "max_output_bytes": (64, None), "output_head_fraction": (0, 1),
-                  "max_code_bytes": (1, None), "pool_size": (0, None), "max_concurrency": (1, None),
+                  "max_code_bytes": (1, None), "pool_size": (0, _MAX_WORKERS), "max_concurrency": (1, _MAX_WORKERS),
                   "drop_to_uid": (0, 2**32 - 2), "per_call_uid_base": (0, 2**32 - 2 - _PID_MAX)}
         for name, (low, high) in bounds.items():
             value = getattr(self, name)
             kind = (int, float) if name in ("wall_timeout_s", "output_head_fraction") else int
             if not isinstance(value, kind) or isinstance(value, bool):  # "10" (a string) fails here, named
                 raise ValueError(f"sandbox {name} must be a number, got {value!r} (see SandboxConfig.{name})")
-        checks = [(name, low <= getattr(self, name) and (high is None or getattr(self, name) <= high))
-                  for name, (low, high) in bounds.items()]
+        # NaN compares false with everything; .inf passes any lower bound: a limit must be finite
+        checks = [(name, math.isfinite(getattr(self, name)) and low <= getattr(self, name)
+                   and (high is None or getattr(self, name) <= high)) for name, (low, high) in bounds.items()]
         checks.append(("per_call_uid_base", self.per_call_uid_base == 0 or self.per_call_uid_base >= 1000))
         for name, ok in checks:
             if not ok:
@@ -141,10 +154,13 @@ class SandboxConfig:
         if not isinstance(self.readable_paths, list) or not all(isinstance(p, str) for p in self.readable_paths):
             # a bare string would be iterated character by character: "/" makes the whole filesystem readable
             raise ValueError(f"sandbox readable_paths must be a list of paths, got {self.readable_paths!r}")
-        for name in ("network_namespace", "pid_namespace", "landlock", "seccomp", "audit_hook",
+        for name in ("network_namespace", "pid_namespace", "ipc_namespace", "landlock", "seccomp", "allow_memfd",
+                     "audit_hook",
                      "require_network_isolation", "site_packages"):
             if not isinstance(getattr(self, name), bool):  # 'false' (a string) would leave the layer on
                 raise ValueError(f"sandbox {name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.work_root, str) or (self.work_root and not os.path.isdir(self.work_root)):
+            raise ValueError(f"sandbox work_root={self.work_root!r} is not an existing folder (see SandboxConfig.work_root)")
 
 
 @dataclass(kw_only=True)
@@ -200,6 +216,19 @@ class Sandbox(ABC):
         """Stop workers and delete their folders. Calling it twice is harmless."""
 
 
+def _readable(fd: int, timeout_s: float) -> bool:
+    """Whether `fd` (a pidfd: readable once its process exited) becomes readable within `timeout_s`.
+    poll, never select.select: a trainer with >= 1024 open files has descriptors select cannot take."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+
+
 def _ppid(pid: int) -> int:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -245,13 +274,61 @@ def kill_uid(uid: int, rounds: int = 50) -> bool:
     return not processes_of_uid(uid)
 
 
+def _pid_ns() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _workdir_prefix() -> str:
+    """`mrl-tool-<pid namespace>-<trainer pid>-`: whose folder it is, so a later trainer can remove the
+    folders of one that was SIGKILLed (`remove_dead_workdirs`)."""
+    return f"mrl-tool-{_pid_ns()}-{os.getpid()}-"
+
+
+_WORKDIR_NAME = re.compile(r"mrl-tool-(\d+)-(\d+)-[A-Za-z0-9_]{8}")  # tempfile.mkdtemp's 8 characters
+
+
+def remove_dead_workdirs(root: str = "") -> list[str]:
+    """Delete the call folders under `root` ("" = the temp folder) left by a trainer that died without
+    cleaning up (SIGKILL, OOM): only folders named by `_workdir_prefix` in this PID namespace, owned by
+    this uid, whose trainer pid no longer exists (a reused pid keeps them: left, never wrongly removed).
+    Returns the removed paths."""
+    root = root or tempfile.gettempdir()
+    ns, removed = _pid_ns(), []
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return removed
+    for e in entries:
+        m = _WORKDIR_NAME.fullmatch(e.name)
+        if not m or int(m.group(1)) != ns or int(m.group(2)) == os.getpid():
+            continue
+        try:
+            if not e.is_dir(follow_symlinks=False) or e.stat(follow_symlinks=False).st_uid != os.geteuid():
+                continue
+            os.kill(int(m.group(2)), 0)
+            continue  # its trainer lives (or its pid was reused): not ours to judge
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue
+        shutil.rmtree(e.path, ignore_errors=True)
+        removed.append(e.path)
+    if removed:
+        logger.info("removed %d sandbox folders of dead trainers under %s", len(removed), root)
+    return removed
+
+
 class _Worker:
     """One started worker process and its working directory."""
 
     def __init__(self, cfg: SandboxConfig) -> None:
-        self.workdir = tempfile.mkdtemp(prefix="mrl-tool-", dir=cfg.work_root or None)
+        self.workdir = tempfile.mkdtemp(prefix=_workdir_prefix(), dir=cfg.work_root or None)
         keys = ("cpu_time_s", "memory_mib", "max_processes", "max_open_files", "max_file_size_mib", "disk_mib",
-                "network_namespace", "pid_namespace", "landlock", "seccomp", "audit_hook", "drop_to_uid",
+                "network_namespace", "pid_namespace", "ipc_namespace", "landlock", "seccomp", "allow_memfd",
+                "audit_hook", "drop_to_uid",
                 "per_call_uid_base", "readable_paths", "preload_modules")
         spec = {"workdir": self.workdir, **{k: getattr(cfg, k) for k in keys}}
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": self.workdir,
@@ -321,10 +398,14 @@ class _Worker:
                 pass
             if self.init_pid != self.proc.pid:  # the worker outside reaps it (no zombie left) and exits
                 try:
-                    with open(os.pidfd_open(self.proc.pid), "rb", buffering=0) as worker_fd:
-                        select.select([worker_fd], [], [], 2)
+                    worker_fd = os.pidfd_open(self.proc.pid)
                 except ProcessLookupError:
                     pass
+                else:
+                    try:
+                        _readable(worker_fd, 2)
+                    finally:
+                        os.close(worker_fd)
         for kill, target in ((os.killpg, self.proc.pid), (os.kill, self.proc.pid)):
             try:
                 kill(target, signal.SIGKILL)
@@ -337,7 +418,7 @@ class _Worker:
         still runs as the call's own uid (the fallback without a PID namespace). Nothing of the call
         survives it."""
         if self.init_fd is not None:
-            if not select.select([self.init_fd], [], [], 5)[0]:
+            if not _readable(self.init_fd, 5):
                 logger.warning("the sandbox program's process did not exit within 5 s of SIGKILL")
             os.close(self.init_fd)
             self.init_fd = None
@@ -347,13 +428,15 @@ class _Worker:
 
     def cleanup(self) -> None:
         """After `kill` and the worker's exit: `finish`, close the pipes, delete the folder."""
-        self.finish()
-        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
-            try:
-                f.close()
-            except OSError:
-                pass
-        shutil.rmtree(self.workdir, ignore_errors=True)
+        try:
+            self.finish()
+        finally:  # the pipes and the folder go even if `finish` failed
+            for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+                try:
+                    f.close()
+                except OSError:
+                    pass
+            shutil.rmtree(self.workdir, ignore_errors=True)
         if os.path.exists(self.workdir):
             logger.warning("could not remove the sandbox folder %s", self.workdir)
 
@@ -376,6 +459,7 @@ class ProcessSandbox(Sandbox):
         self._refilling = False
         self._refill_thread: threading.Thread | None = None
         self._executor = ThreadPoolExecutor(self.config.max_concurrency, thread_name_prefix="sandbox")
+        remove_dead_workdirs(self.config.work_root)
         probe = _Worker(self.config)
         why = probe.wait_ready(self._START_TIMEOUT_S)
         if why:
@@ -456,13 +540,22 @@ class ProcessSandbox(Sandbox):
             result = self._run_in(worker, data)
             result.layers = dict(worker.layers or {}, warm=warm)
             return result
-        finally:
-            worker.kill()
+        finally:  # each step on its own: one that fails must not skip the others (a leaked folder or group)
+            try:
+                worker.kill()
+            except Exception:
+                logger.exception("killing sandbox worker %d failed", worker.proc.pid)
             try:
                 worker.proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 logger.warning("sandbox worker %d did not exit after SIGKILL", worker.proc.pid)
-            worker.cleanup()
+            except Exception:
+                logger.exception("waiting for sandbox worker %d failed", worker.proc.pid)
+            try:
+                worker.cleanup()
+            except Exception:
+                logger.exception("cleaning up after sandbox worker %d failed", worker.proc.pid)
+                shutil.rmtree(worker.workdir, ignore_errors=True)
             self._refill_in_background()
 
     def _run_in(self, worker: _Worker, data: bytes) -> SandboxResult:

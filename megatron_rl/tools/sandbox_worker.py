@@ -10,8 +10,9 @@ directory as cwd. Before it says "ready" on stdout it puts itself behind every l
    host pid in the ready line: the trainer kills it by pidfd, which kills every process the program
    started, whatever session it moved to); a new mount namespace with a tmpfs of `disk_mib` (and
    bounded inodes) over the working directory, and, as root, a folder only root may enter hidden under
-   an empty tmpfs with only the interpreter's folders bind-mounted back read-only. Without root a new
-   user namespace comes first (needs unprivileged user namespaces);
+   an empty tmpfs with only the interpreter's folders bind-mounted back read-only; a new IPC namespace
+   (SysV IPC and POSIX message queues of the call alone, shared memory bounded to `memory_mib`, gone
+   with the call). Without root a new user namespace comes first (needs unprivileged user namespaces);
 2. resource limits (`setrlimit`): CPU seconds, address space, processes, open files, file size;
 3. Landlock (Linux >= 5.13, unprivileged): writes, creates, removes only below the working
    directory; TCP connect and bind refused (ABI >= 4); signals and abstract unix sockets scoped
@@ -19,7 +20,8 @@ directory as cwd. Before it says "ready" on stdout it puts itself behind every l
 4. every capability dropped (bounding, ambient, inheritable, permitted, effective) and, when
    started as root, all groups dropped and the uid / gid set to the call's own unprivileged one
    (`per_call_uid_base` + this worker's host pid; `RLIMIT_NPROC` then counts this call alone);
-5. seccomp-bpf: `socket()` refused (unix path sockets included), no new namespaces, no io_uring;
+5. seccomp-bpf: `socket()` refused (unix path sockets included), no new namespaces, no io_uring, no
+   kernel keyrings, no `memfd_create` (unless `allow_memfd`), no SysV IPC without an IPC namespace;
 6. after the program arrives: a `sys.addaudithook` hook that refuses sockets, subprocesses,
    `exec`, `ctypes`, writes outside the working directory and `/proc/<other pid>` (a guard in the
    same interpreter, disabled from Python in a few lines: a friendly error, never the boundary; the
@@ -49,6 +51,8 @@ def _unshare(spec, layers):
         flags |= os.CLONE_NEWNET
     if spec["pid_namespace"]:
         flags |= os.CLONE_NEWPID
+    if spec["ipc_namespace"]:
+        flags |= os.CLONE_NEWIPC  # SysV IPC and POSIX message queues: private, gone with the call
     if spec["disk_mib"] or (os.geteuid() == 0 and spec["uid"]):
         flags |= os.CLONE_NEWNS  # the tmpfs, and the interpreter shown to the unprivileged uid
     if not flags:
@@ -63,7 +67,27 @@ def _unshare(spec, layers):
     layers["network_namespace"] = bool(flags & os.CLONE_NEWNET)
     layers["pid_namespace"] = bool(flags & os.CLONE_NEWPID)
     layers["mount_namespace"] = bool(flags & os.CLONE_NEWNS)
+    layers["ipc_namespace"] = bool(flags & os.CLONE_NEWIPC)
+    if flags & os.CLONE_NEWIPC:
+        _bound_ipc(spec, layers)
     return bool(flags & os.CLONE_NEWPID)
+
+
+def _bound_ipc(spec, layers):
+    """In the new IPC namespace (its sysctls are its own): SysV shared memory of the whole call at most
+    `memory_mib` (it is not counted by RLIMIT_AS) and few message queues (16 KiB each). Best effort:
+    a /proc/sys that cannot be written is recorded; the namespace still dies with the call."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    mib = int(spec["memory_mib"])
+    values = {"kernel/shmmax": mib << 20, "kernel/shmall": (mib << 20) // page, "kernel/shmmni": 64,
+              "kernel/msgmni": 16}
+    try:
+        for name, value in values.items():
+            with open(f"/proc/sys/{name}", "w") as f:
+                f.write(str(value))
+        layers["ipc_bounded_mib"] = mib
+    except OSError as e:
+        layers["ipc_bound_error"] = f"{name}: {e.strerror}"
 
 
 def _make_private(layers):
@@ -152,9 +176,12 @@ def _reap_as_parent(child, trainer):
     os.close(0)
     try:
         fds = [os.pidfd_open(child), os.pidfd_open(trainer)]
+        poller = select.poll()  # never select.select: no limit on descriptor numbers
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
         ready = []
         while not ready:
-            ready = select.select(fds, [], [])[0]
+            ready = [fd for fd, _ in poller.poll()]
         if fds[1] in ready:  # the trainer exited (a pidfd becomes readable only then)
             os.kill(child, 9)
     except (OSError, InterruptedError):
@@ -315,17 +342,27 @@ def _drop_privileges(spec, layers):
         layers["capabilities"] += " (bounding set kept: unprivileged, no_new_privs)"
 
 
-_ARCH = {"x86_64": (0xC000003E, {"socket": 41, "unshare": 272, "setns": 308, "clone": 56}),
-         "aarch64": (0xC00000B7, {"socket": 198, "unshare": 97, "setns": 268, "clone": 220})}
+_ARCH = {"x86_64": (0xC000003E, {"socket": 41, "unshare": 272, "setns": 308, "clone": 56, "shmget": 29,
+                                  "semget": 64, "msgget": 68, "mq_open": 240, "add_key": 248, "request_key": 249,
+                                  "keyctl": 250, "memfd_create": 319}),
+         "aarch64": (0xC00000B7, {"socket": 198, "unshare": 97, "setns": 268, "clone": 220, "shmget": 194,
+                                  "semget": 190, "msgget": 186, "mq_open": 180, "add_key": 217, "request_key": 218,
+                                  "keyctl": 219, "memfd_create": 279})}
+_IPC = ("shmget", "msgget", "semget", "mq_open")
+_KEYS = ("add_key", "request_key", "keyctl")
 
 
-def _seccomp(layers):
+def _seccomp(spec, layers):
     """A seccomp-bpf filter (kernel-enforced, inherited by every child, cannot be removed): `socket()`
     of any family fails with EPERM (AF_UNIX path sockets too, which neither the network namespace nor
     Landlock stops; `socketpair` stays: it connects to nothing), no new namespaces (`unshare`, `setns`,
     `clone` with a CLONE_NEW* flag; `clone3`, whose flags a filter cannot read, answers ENOSYS so libc
-    falls back to `clone`), no io_uring (its operations bypass seccomp). Another architecture's
-    system call kills the process. An unknown machine records the layer as unavailable."""
+    falls back to `clone`), no io_uring (its operations bypass seccomp), no kernel keyrings (`add_key`,
+    `request_key`, `keyctl`: a key outlives the call in its uid's keyring, and uids come back), no
+    `memfd_create` (memory outside RLIMIT_AS; unless `allow_memfd`), and, without an IPC namespace of
+    its own, no SysV IPC or POSIX message queue (`shmget`, `msgget`, `semget`, `mq_open`: the host's
+    objects outlive the call). Another architecture's system call kills the process. An unknown
+    machine records the layer as unavailable."""
     import ctypes
 
     machine = os.uname().machine
@@ -339,7 +376,12 @@ def _seccomp(layers):
     prog = [(ld, 4), (jeq, arch, "next", "kill"), (ld, 0)]
     if machine == "x86_64":
         prog.append((jge, 0x40000000, "eperm", "next"))  # the x32 ABI
-    for name in ("socket", "unshare", "setns"):
+    refused = ["socket", "unshare", "setns", *_KEYS]
+    if not spec["allow_memfd"]:
+        refused.append("memfd_create")
+    if not layers.get("ipc_namespace"):
+        refused += _IPC
+    for name in refused:
         prog.append((jeq, nr[name], "eperm", "next"))
     for n in (425, 426, 427):  # io_uring_setup, io_uring_enter, io_uring_register (both tables)
         prog.append((jeq, n, "eperm", "next"))
@@ -367,7 +409,7 @@ def _seccomp(layers):
     if libc.prctl(22, 2, ctypes.byref(Prog(len(code), arr)), 0, 0) != 0:  # PR_SET_SECCOMP, FILTER
         layers["seccomp_error"] = f"seccomp: {os.strerror(ctypes.get_errno())}"
         return
-    layers["seccomp"] = "socket, unshare, setns, clone(CLONE_NEW*), clone3, io_uring refused"
+    layers["seccomp"] = ", ".join([*refused, "clone(CLONE_NEW*)", "clone3", "io_uring"]) + " refused"
 
 
 def _audit_hook(workdir):
@@ -452,7 +494,7 @@ def main():
     import traceback
 
     if spec["seccomp"]:
-        _seccomp(layers)
+        _seccomp(spec, layers)
     # /proc is the host's: this is the host pid of the namespace's init, which the trainer kills
     layers["init_pid"] = int(os.readlink("/proc/self"))
     out = sys.stdout

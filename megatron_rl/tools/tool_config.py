@@ -66,6 +66,26 @@ def _check_keys(where: str, mapping: Any, allowed: Any) -> None:
             raise _unknown(where, str(key), allowed)
 
 
+def _check_schema_types(where: str, function: dict[str, Any]) -> None:
+    """`name` and `description` strings, `parameters` a JSON-schema object (a mapping whose
+    `properties` is a mapping and `required` a list of names): else every call would fail on it."""
+    for key in ("name", "description"):
+        if key in function and not isinstance(function[key], str):
+            raise ValueError(f"{where}.{key}: must be a string, got {type(function[key]).__name__}")
+    if "parameters" not in function:
+        return
+    params = function["parameters"]
+    if not isinstance(params, dict):
+        raise ValueError(f"{where}.parameters: must be a mapping (a JSON schema object), got {type(params).__name__}")
+    if not isinstance(params.get("properties", {}), dict):
+        raise ValueError(f"{where}.parameters.properties: must be a mapping of argument names to schemas")
+    if any(not isinstance(v, dict) for v in params.get("properties", {}).values()):
+        raise ValueError(f"{where}.parameters.properties: each argument's schema must be a mapping")
+    required = params.get("required", [])
+    if not isinstance(required, list) or not all(isinstance(k, str) for k in required):
+        raise ValueError(f"{where}.parameters.required: must be a list of argument names")
+
+
 def config_keys(cls: type) -> tuple[str, ...] | None:
     """The config keys a tool class accepts: its `config_class` dataclass's fields, else its
     constructor's keyword names; None when it takes any `**kwargs` without a `config_class`."""
@@ -130,6 +150,7 @@ def load_tool_config(tool_config_path: str | Path) -> list[ToolSpec]:
             _check_keys(f"{where}.tool_schema", schema, SCHEMA_KEYS)
             _check_keys(f"{where}.tool_schema.function", schema.get("function", {}), FUNCTION_KEYS)
             schema = dict(schema.get("function", {}))
+            _check_schema_types(f"{where}.tool_schema.function", schema)
         specs.append(ToolSpec(cls=cls, config=dict(config), schema=schema, where=where))
     return specs
 

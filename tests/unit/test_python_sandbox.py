@@ -438,12 +438,40 @@ def test_shipped_tool_config_loads():
     ("tools:\n  - name: python\n    config: {memory_mib: 1, pool_size: 0}\n", r"tools.yaml: tools\[0\].config: sandbox memory_mib=1 is out of range"),
     ("tools:\n  - name: python\n    tool_schema: {function: {nme: x}}\n", r"tools\[0\].tool_schema.function: unknown key 'nme'; did you mean 'name'\?"),
     ("tools: [\n", r"tools.yaml: not valid YAML"),
+    # breaker, second pass: each used to be accepted
+    ("tools:\n  - name: python\n    tool_schema: {function: {parameters: x}}\n",
+     r"tools.yaml: tools\[0\].tool_schema.function.parameters: must be a mapping \(a JSON schema object\), got str"),
+    ("tools:\n  - name: python\n    tool_schema: {function: {name: 5}}\n",
+     r"tools.yaml: tools\[0\].tool_schema.function.name: must be a string, got int"),
+    ("tools:\n  - name: python\n    tool_schema: {function: {parameters: {properties: [code]}}}\n",
+     r"tools\[0\].tool_schema.function.parameters.properties: must be a mapping"),
+    ("tools:\n  - name: python\n    config: {wall_timeout_s: .inf, pool_size: 0}\n",
+     r"tools.yaml: tools\[0\].config: sandbox wall_timeout_s=inf is out of range"),
+    ("tools:\n  - name: python\n    config: {wall_timeout_s: .nan, pool_size: 0}\n",
+     r"tools.yaml: tools\[0\].config: sandbox wall_timeout_s=nan is out of range"),
+    ("tools:\n  - name: python\n    config: {output_head_fraction: .nan, pool_size: 0}\n",
+     r"tools.yaml: tools\[0\].config: sandbox output_head_fraction=nan is out of range"),
+    ("tools:\n  - name: python\n    config: {pool_size: 100000}\n",
+     r"tools.yaml: tools\[0\].config: sandbox pool_size=100000 is out of range"),
+    ("tools:\n  - name: python\n    config: {max_concurrency: 257, pool_size: 0}\n",
+     r"tools.yaml: tools\[0\].config: sandbox max_concurrency=257 is out of range"),
+    ("tools:\n  - name: python\n    config: {work_root: /nonexistent/mrl, pool_size: 0}\n",
+     r"tools.yaml: tools\[0\].config: sandbox work_root='/nonexistent/mrl' is not an existing folder"),
 ])
 def test_tool_config_mistakes_fail_at_start(tmp_path, text, message):
     f = tmp_path / "tools.yaml"
     f.write_text(text)
     with pytest.raises(ValueError, match=message):
         build_tools(f)
+
+
+def test_a_broken_schema_is_an_infrastructure_error_not_an_exception():
+    """Before: a tool whose `parameters` is not a mapping (accepted from a tool config) made
+    `check_arguments`, outside run_tool_call's try, raise AttributeError into the rollout."""
+    t = _Boom()
+    t.parameters = "x"
+    r = run_tool_call(ToolCall(name="boom", arguments={}), {"boom": t})
+    assert (r.ok, r.infrastructure) == (False, True) and r.error.startswith("tool 'boom' failed: AttributeError"), r
 
 
 TRAINER_DIES = """
