@@ -12,6 +12,10 @@ verify them in a `RewardPool` with the verifier routed by each row's `data_sourc
     <out>/per_problem/<name>.jsonl   one row per problem: ground truth, every response with its
                                      extracted answer, correctness, length and stop reason
 
+With tools (`--tool-config`: every sample an episode, docs/MULTITURN.md) each dataset also gets
+`tool_calls_per_sample` and `tool_use_rate` (as the in-training evaluation, `eval.evaluate`), each
+response its `tool_calls`, and results.json's `settings` the tool config, format and turn limit.
+
 Defaults follow DAPO's evaluation (arXiv 2503.14476, section 4.1): temperature 1.0, top_p 0.7,
 max 20480 new tokens; DAPO reports avg@32 on AIME, here `n` defaults to 32 as well.
 """
@@ -30,6 +34,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from megatron_rl.data.dataset import PromptRow, load_rows
+from megatron_rl.eval.evaluate import tool_calls_of, tool_use_stats
 from megatron_rl.eval.metrics import avg_at_k, bootstrap_ci, length_stats, maj_at_k, pass_at_k
 from megatron_rl.models.hub import looks_like_hub_id, resolve_model_path
 from megatron_rl.rewards.math_answer import verifier_for_source
@@ -137,13 +142,17 @@ class EvalSettings:
 
 def summarise(name: str, rows: Sequence[PromptRow], texts: list[list[str]], rewards: list[list[dict]],
               lengths: list[list[int]], stops: list[list[str]], settings: EvalSettings,
-              verifiers: Sequence[str]) -> tuple[dict, list[dict]]:
+              verifiers: Sequence[str], episodes: Optional[list[list[Optional[dict]]]] = None
+              ) -> tuple[dict, list[dict]]:
     """Metrics of one dataset and its per-problem records (pure: no generation here).
 
     Args:
         texts, rewards, lengths, stops: [P][n] response texts, reward dicts (`acc`, `pred`,
             `failed`), token counts and stop reasons.
         verifiers: [P] verifier names used.
+        episodes: [P][n] `GenerateResult.episode` statistics (None for single-turn samples): with any
+            episode, the summary gets `tool_calls_per_sample` and `tool_use_rate` and every response
+            its `tool_calls`.
 
     Returns:
         (summary dict, per-problem records).
@@ -168,6 +177,9 @@ def summarise(name: str, rows: Sequence[PromptRow], texts: list[list[str]], rewa
     summary["verifier_failed"] = sum(bool(r.get("failed")) for g in rewards for r in g)
     flat_len = [x for g in lengths for x in g]
     summary["response_length"] = length_stats(flat_len, [s == "length" for g in stops for s in g])
+    calls = tool_calls_of(episodes) if episodes is not None else None
+    if calls is not None:  # multi-turn with tools: how often the model used them
+        summary.update(tool_use_stats(calls))
     records = []
     for i, row in enumerate(rows):
         records.append({
@@ -176,8 +188,10 @@ def summarise(name: str, rows: Sequence[PromptRow], texts: list[list[str]], rewa
             **{f"pass@{k}": pass_k[k][i] for k in pass_k}, **{f"maj@{k}": maj_k[k][i] for k in maj_k},
             "extra_info": row.extra_info,
             "responses": [{"text": t, "pred": r.get("pred"), "acc": c, "length": ln, "stop_reason": s,
+                           **({"tool_calls": calls[i][j]} if calls is not None else {}),
                            **({"error": r.get("error")} if r.get("failed") else {})}
-                          for t, r, c, ln, s in zip(texts[i], rewards[i], correct[i], lengths[i], stops[i])],
+                          for j, (t, r, c, ln, s) in enumerate(zip(texts[i], rewards[i], correct[i], lengths[i],
+                                                                   stops[i]))],
         })
     return summary, records
 
@@ -219,7 +233,8 @@ def evaluate_datasets(manager, pool, tokenizer, datasets: Sequence[tuple[str, li
         rewards = [flat[i * n : (i + 1) * n] for i in range(len(rows))]
         lengths = [[len(res.output_ids) for res in g] for g in gen]
         stops = [[res.stop_reason for res in g] for g in gen]
-        summary, records = summarise(name, rows, texts, rewards, lengths, stops, settings, verifiers)
+        episodes = [[res.episode for res in g] for g in gen]
+        summary, records = summarise(name, rows, texts, rewards, lengths, stops, settings, verifiers, episodes)
         summary["generate_s"] = t1 - t0
         summary["verify_s"] = time.perf_counter() - t1
         results["datasets"][name] = summary
@@ -233,6 +248,7 @@ def evaluate_datasets(manager, pool, tokenizer, datasets: Sequence[tuple[str, li
 
 
 def format_row(name: str, s: dict) -> str:
+    """One dataset's line of `format_table` (tool calls a sample and tool-use rate when present)."""
     n = s["n"]
 
     def f(key: str) -> str:
@@ -240,7 +256,8 @@ def format_row(name: str, s: dict) -> str:
         return f"{v['value']:.3f} [{v['ci'][0]:.3f}, {v['ci'][1]:.3f}]"
 
     return (f"{name:<10} {s['num_problems']:>5} {f(f'avg@{n}'):>24} {f(f'pass@{n}'):>24} {f(f'maj@{n}'):>24} "
-            f"{s['format_valid']:>6.3f} {s['response_length']['mean']:>8.1f} {s['response_length']['truncated']:>6.3f}")
+            f"{s['format_valid']:>6.3f} {s['response_length']['mean']:>8.1f} {s['response_length']['truncated']:>6.3f}"
+            + (f" {s['tool_calls_per_sample']:>6.2f} {s['tool_use_rate']:>6.3f}" if "tool_use_rate" in s else ""))
 
 
 def format_table(results: dict) -> str:
@@ -251,12 +268,53 @@ def format_table(results: dict) -> str:
     n = next(iter(datasets.values()))["n"]
     ci = int(round(results["settings"].get("confidence", 0.95) * 100))
     head = (f"{'dataset':<10} {'probs':>5} {f'avg@{n} [{ci}% CI]':>24} {f'pass@{n} [{ci}% CI]':>24} "
-            f"{f'maj@{n} [{ci}% CI]':>24} {'format':>6} {'len':>8} {'trunc':>6}")
+            f"{f'maj@{n} [{ci}% CI]':>24} {'format':>6} {'len':>8} {'trunc':>6}"
+            + (f" {'calls':>6} {'tools':>6}" if any("tool_use_rate" in v for v in datasets.values()) else ""))
     return "\n".join([head] + [format_row(k, v) for k, v in datasets.items()])
 
 
 def _is_hf_folder(p: Path) -> bool:
     return (p / "config.json").is_file() and (any(p.glob("*.safetensors")) or any(p.glob("*.bin")))
+
+
+def tool_settings(multi_turn) -> dict:
+    """results.json `settings` of the tools: `tool_config` (the path as given, relative to the working
+    directory), `tool_format`, `max_assistant_turns`; all None without tools (`multi_turn` None)."""
+    if multi_turn is None:
+        return {"tool_config": None, "tool_format": None, "max_assistant_turns": None}
+    return {"tool_config": multi_turn.tool_config_path, "tool_format": multi_turn.format,
+            "max_assistant_turns": multi_turn.max_assistant_turns}
+
+
+def warn_if_trained_with_tools(checkpoint: Path) -> Optional[str]:
+    """Log a WARNING when `checkpoint` (a megatron run dir, its `checkpoints` folder, an `iter_NNNNNNN`
+    folder or its `model_optim`) comes from a run trained with tools (`rollout.multi_turn.enable` in
+    the nearest config.yaml) while the evaluation runs without them: such a model scores far lower
+    single-turn (0.627 vs 0.938 for the tiny tool run). Behaviour is unchanged: it only warns.
+
+    Returns:
+        The warning text, or None (no config.yaml found, unreadable, or a run without tools).
+    """
+    import yaml
+
+    p = Path(checkpoint)
+    cfg_path = next((d / "config.yaml" for d in [p, *list(p.parents)[:3]] if (d / "config.yaml").is_file()), None)
+    if cfg_path is None:
+        return None
+    try:
+        cfg = yaml.safe_load(cfg_path.read_text()) or {}
+        mt = (cfg.get("rollout") or {}).get("multi_turn") or {}
+    except (OSError, yaml.YAMLError, AttributeError):
+        return None
+    if not isinstance(mt, dict) or not mt.get("enable"):
+        return None
+    msg = (f"{cfg_path}: the run was trained with tools (rollout.multi_turn.enable: true, tool config "
+           f"{mt.get('tool_config_path')!r}, format {mt.get('format')!r}, max_assistant_turns "
+           f"{mt.get('max_assistant_turns')!r}) but this evaluation runs without them, so its numbers are "
+           f"single-turn and much lower; pass --tool-config {mt.get('tool_config_path')} (and --tool-format / "
+           f"--max-assistant-turns as trained) to evaluate it as trained")
+    logger.warning("%s", msg)
+    return msg
 
 
 def run_eval(*, datasets: Sequence[str], out_dir: str | os.PathLike, checkpoint: Optional[str] = None,
@@ -319,6 +377,7 @@ def run_eval(*, datasets: Sequence[str], out_dir: str | os.PathLike, checkpoint:
     except OSError as e:
         raise ValueError(f"output folder {out}: cannot be created ({e.strerror}); expected a folder path") from None
     loaded = unique_names([load_benchmark(d, Path(data_dir) if data_dir else None) for d in datasets])
+    settings.extra.update(tool_settings(multi_turn))
     with ExitStack() as stack:
         if checkpoint is not None:
             ckpt = Path(resolve_model_path(str(checkpoint), what="--checkpoint"))  # a hub id -> the HF cache
@@ -327,6 +386,8 @@ def run_eval(*, datasets: Sequence[str], out_dir: str | os.PathLike, checkpoint:
             if _is_hf_folder(ckpt):
                 model_dir = ckpt
             else:
+                if multi_turn is None:
+                    warn_if_trained_with_tools(ckpt)
                 from megatron_rl.checkpoint.convert import export_to_hf
 
                 model_dir = export_to_hf(ckpt, out / "hf_model")

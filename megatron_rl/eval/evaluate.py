@@ -44,11 +44,10 @@ def evaluate(manager, rows: Sequence[PromptRow], *, n: int, temperature: float, 
         f"pass@{n}": mean_pass_at_k(correct, n),
         "format_valid": avg_at_k(valid),
     }
-    calls = [[(r.episode or {}).get("tool_calls", 0) for r in g] for g in results]
-    episodes = any(r.episode for g in results for r in g)
+    calls = tool_calls_of([[r.episode for r in g] for g in results])
+    episodes = calls is not None
     if episodes:  # multi-turn (rollout.multi_turn): how often the model used its tools
-        out["tool_calls_per_sample"] = sum(map(sum, calls)) / max(sum(map(len, calls)), 1)
-        out["tool_use_rate"] = avg_at_k([[c > 0 for c in g] for g in calls])
+        out.update(tool_use_stats(calls))
     greedy_correct = None
     if greedy:
         progress = EvalProgress(f"{tag} greedy", len(rows), 1)
@@ -71,13 +70,28 @@ def evaluate(manager, rows: Sequence[PromptRow], *, n: int, temperature: float, 
                 "format_valid": avg_at_k([valid[i] for i in idx]),
             }
             if episodes:
-                rec["tool_use_rate"] = avg_at_k([[c > 0 for c in calls[i]] for i in idx])
+                rec["tool_use_rate"] = tool_use_stats([calls[i] for i in idx])["tool_use_rate"]
             if greedy_correct is not None:
                 rec["greedy_acc"] = sum(greedy_correct[i] for i in idx) / len(idx)
             by_level[str(level)] = rec
         out["by_level"] = by_level
     out["wall_s"] = time.perf_counter() - t0
     return out
+
+
+def tool_calls_of(episodes: Sequence[Sequence[dict | None]]) -> list[list[int]] | None:
+    """[P][n] tool calls of each sample from its `GenerateResult.episode` statistics (`Episode.result`),
+    or None when no sample is an episode (single-turn generation: no tool metrics)."""
+    if not any(e for g in episodes for e in g):
+        return None
+    return [[int((e or {}).get("tool_calls", 0)) for e in g] for g in episodes]
+
+
+def tool_use_stats(calls: Sequence[Sequence[int]]) -> dict:
+    """`tool_calls_per_sample` (mean tool calls a sample) and `tool_use_rate` (share of samples with
+    at least one call) of [P][n] call counts (`tool_calls_of`)."""
+    return {"tool_calls_per_sample": sum(map(sum, calls)) / max(sum(map(len, calls)), 1),
+            "tool_use_rate": avg_at_k([[c > 0 for c in g] for g in calls])}
 
 
 def progress_due(done: int, total: int, last_done: int, since_last_s: float, *, frac: float = 0.1,

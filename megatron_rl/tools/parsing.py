@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 
@@ -130,11 +131,38 @@ def parse_tool_calls(text: str, *, fmt: str = "hermes", code_tool: str = "python
     return out
 
 
+class InfraFailureLog:
+    """Rate-limited WARNINGs for tool infrastructure failures (`ToolResult.infrastructure`, CASES.md T10):
+    the first `first` failures, then every `every`-th, each with the running count and the reason, so
+    a sandbox that cannot start is explained in the log without a line per call. Thread-safe."""
+
+    def __init__(self, first: int = 5, every: int = 100) -> None:
+        self.first, self.every, self.count = first, every, 0
+        self._lock = threading.Lock()
+
+    def record(self, tool: str, reason: str, exc_info: BaseException | None = None) -> bool:
+        """Count one failure of `tool`; log it when due. Returns whether it was logged."""
+        with self._lock:
+            self.count += 1
+            n = self.count
+        if n > self.first and n % self.every:
+            return False
+        later = f"; the first {self.first} then every {self.every}th are logged" if n == self.first else ""
+        logger.warning("tool %r: infrastructure failure #%d (the sample is invalid, not scored): %s%s",
+                       tool, n, reason, later, exc_info=exc_info)
+        return True
+
+
+INFRA_FAILURES = InfraFailureLog()
+"""The process's tool infrastructure failures (`run_tool_call` records them)."""
+
+
 def run_tool_call(call: ToolCall | ToolResult, tools: Mapping[str, Tool]) -> ToolResult:
     """Run one parsed call. A parse error passes through; an unknown tool or bad arguments come back
     as `ToolResult(ok=False)` with the reason; a tool that raises (tools never raise for the model's
     input: a connection error, a `SandboxError`, a bug) as `ToolResult(ok=False, infrastructure=True)`
-    (CASES.md T10: the sample is invalid, not scored)."""
+    (CASES.md T10: the sample is invalid, not scored). Infrastructure failures, raised or returned by
+    the tool (a sandbox that could not start), are logged as rate-limited WARNINGs (`INFRA_FAILURES`)."""
     if isinstance(call, ToolResult):
         return call
     tool = tools.get(call.name)
@@ -145,10 +173,13 @@ def run_tool_call(call: ToolCall | ToolResult, tools: Mapping[str, Tool]) -> Too
         why = tool.check_arguments(call.arguments)
         if why:
             return ToolResult(ok=False, error=why)
-        return tool.call(call.arguments)
+        result = tool.call(call.arguments)
     except Exception as e:  # the tool's infrastructure failed: never the trainer's crash, never a reward of 0
-        logger.exception("tool %r raised", call.name)
+        INFRA_FAILURES.record(call.name, f"raised {type(e).__name__}: {e}", exc_info=e)
         return ToolResult(ok=False, error=f"tool {call.name!r} failed: {type(e).__name__}: {e}", infrastructure=True)
+    if getattr(result, "infrastructure", False):
+        INFRA_FAILURES.record(call.name, getattr(result, "error", None) or "no reason given")
+    return result
 
 
 def run_tool_calls(calls: Sequence[ToolCall | ToolResult], tools: Mapping[str, Tool], *,

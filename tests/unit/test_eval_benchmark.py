@@ -150,3 +150,130 @@ def test_level_labels_of_one_level_share_a_bucket():
     assert [level_key(x) for x in (3, "3", 3.0, "Level 3", " level_3 ", None, "hard", 2.5)] == \
         ["3", "3", "3", "3", "3", None, "hard", "2.5"]
     assert eval_metric_row({"by_level": {"3": {"avg@2": 0.5}}}) == {"eval/level_3/avg@2": 0.5}
+
+
+def _two_rows():
+    from megatron_rl.data.dataset import PromptRow
+
+    return [PromptRow(prompt_key=f"t:{i}", messages=[{"role": "user", "content": "q"}], ground_truth=g,
+                      data_source="x") for i, g in enumerate(["5", "7"])]
+
+
+def test_summarise_tool_metrics_hand_case():
+    """`megatron-rl eval --tool-config`: 2 problems x 3 samples with episode stats; calls
+    [[2, 0, 1], [0, 0, 3]]: 6 calls / 6 samples = 1.0 a sample; 3 of 6 samples used a tool = 0.5;
+    every response records its `tool_calls` (a sample without episode stats counts 0)."""
+    from megatron_rl.eval.benchmark import format_row, format_table
+
+    rows = _two_rows()
+    rewards = [[{"acc": True, "pred": "5"}] * 3, [{"acc": False, "pred": "1"}] * 3]
+    episodes = [[{"tool_calls": 2, "turns": 3}, {"tool_calls": 0, "turns": 1}, {"tool_calls": 1, "turns": 2}],
+                [{"tool_calls": 0, "turns": 1}, None, {"tool_calls": 3, "turns": 3}]]
+    s, recs = summarise("t", rows, [["r"] * 3] * 2, rewards, [[1] * 3] * 2, [["eos"] * 3] * 2, EvalSettings(n=3),
+                        ["math_auto"] * 2, episodes)
+    assert s["tool_calls_per_sample"] == pytest.approx(1.0)
+    assert s["tool_use_rate"] == pytest.approx(0.5)
+    assert [r["tool_calls"] for r in recs[0]["responses"]] == [2, 0, 1]
+    assert [r["tool_calls"] for r in recs[1]["responses"]] == [0, 0, 3]
+    assert format_row("t", s).split()[-2:] == ["1.00", "0.500"]
+    table = format_table({"settings": {}, "datasets": {"t": s}})
+    assert table.splitlines()[0].split()[-2:] == ["calls", "tools"]
+
+
+def test_summarise_without_episodes_has_no_tool_metrics():
+    """Single-turn (no episodes, or only None stats): no tool keys anywhere, table unchanged."""
+    from megatron_rl.eval.benchmark import format_table
+
+    rows = _two_rows()
+    rewards = [[{"acc": True, "pred": "5"}] * 2, [{"acc": False, "pred": "1"}] * 2]
+    args = ("t", rows, [["r"] * 2] * 2, rewards, [[1] * 2] * 2, [["eos"] * 2] * 2, EvalSettings(n=2), ["m"] * 2)
+    for episodes in (None, [[None, None], [None, None]]):
+        s, recs = summarise(*args, episodes)
+        assert "tool_use_rate" not in s and "tool_calls_per_sample" not in s
+        assert all("tool_calls" not in r for rec in recs for r in rec["responses"])
+        assert "tools" not in format_table({"settings": {}, "datasets": {"t": s}})
+
+
+def test_tool_settings_recorded_for_results_json():
+    from megatron_rl.config.multi_turn import MultiTurnConfig
+    from megatron_rl.eval.benchmark import tool_settings
+
+    assert tool_settings(None) == {"tool_config": None, "tool_format": None, "max_assistant_turns": None}
+    mt = MultiTurnConfig(enable=True, tool_config_path="examples/tools/tiny_python_tool.yaml", format="code",
+                         max_assistant_turns=3)
+    assert tool_settings(mt) == {"tool_config": "examples/tools/tiny_python_tool.yaml", "tool_format": "code",
+                                 "max_assistant_turns": 3}
+
+
+def _run_dir(tmp_path, enable=True):
+    run = tmp_path / "runs" / "tiny-tool-dapo"
+    it = run / "checkpoints" / "iter_0000080"
+    (it / "model_optim").mkdir(parents=True)
+    cfg = (f"rollout:\n  multi_turn:\n    enable: {str(enable).lower()}\n    format: code\n"
+           "    max_assistant_turns: 3\n    tool_config_path: /x/examples/tools/tiny_python_tool.yaml\n")
+    (run / "config.yaml").write_text(cfg)
+    return run, it
+
+
+@pytest.mark.parametrize("where", ["run", "checkpoints", "iter", "model_optim"])
+def test_warns_when_a_tool_trained_run_is_evaluated_without_tools(tmp_path, caplog, where):
+    """A run trained with rollout.multi_turn.enable, evaluated without --tool-config: a WARNING that
+    names the run's tool config and says to pass --tool-config (the evaluation itself is unchanged)."""
+    import logging
+
+    from megatron_rl.eval.benchmark import warn_if_trained_with_tools
+
+    run, it = _run_dir(tmp_path)
+    if where != "run":  # the iteration folder holds its own copy of config.yaml
+        (it / "config.yaml").write_text((run / "config.yaml").read_text())
+    path = {"run": run, "checkpoints": run / "checkpoints", "iter": it, "model_optim": it / "model_optim"}[where]
+    caplog.set_level(logging.WARNING, logger="megatron_rl.eval.benchmark")
+    msg = warn_if_trained_with_tools(path)
+    (rec,) = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert rec.getMessage() == msg
+    assert "trained with tools" in msg and "--tool-config /x/examples/tools/tiny_python_tool.yaml" in msg
+    assert "rollout.multi_turn.enable: true" in msg and "max_assistant_turns 3" in msg
+
+
+def test_no_warning_for_a_run_without_tools_or_without_config(tmp_path, caplog):
+    import logging
+
+    from megatron_rl.eval.benchmark import warn_if_trained_with_tools
+
+    caplog.set_level(logging.WARNING)
+    run, it = _run_dir(tmp_path, enable=False)
+    assert warn_if_trained_with_tools(run) is None and warn_if_trained_with_tools(it) is None
+    assert warn_if_trained_with_tools(tmp_path / "elsewhere") is None
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_evaluate_datasets_writes_tool_metrics_settings_and_per_response_calls(tmp_path):
+    """`evaluate_datasets` with a fake manager whose results carry episode stats: results.json has
+    the dataset's tool metrics and the tool settings, per_problem/<name>.jsonl every response's calls."""
+    import json
+    from types import SimpleNamespace
+
+    from megatron_rl.eval.benchmark import evaluate_datasets
+
+    calls = [[1, 0], [2, 2]]
+
+    class Manager:
+        def generate(self, rows, n, **kw):
+            return [[SimpleNamespace(output_ids=[1, 2], response_mask=None, stop_reason="eos",
+                                     episode={"tool_calls": c}) for c in calls[i]] for i in range(len(rows))]
+
+    class Pool:
+        def map(self, items):
+            return [{"acc": False, "pred": "1"} for _ in items]
+
+    settings = EvalSettings(n=2, bootstrap_resamples=10)
+    settings.extra.update({"tool_config": "tools.yaml", "tool_format": "code", "max_assistant_turns": 3})
+    tok = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: "Answer: 1")
+    res = evaluate_datasets(Manager(), Pool(), tok, [("t", _two_rows())], settings, tmp_path)
+    on_disk = json.loads((tmp_path / "results.json").read_text())
+    assert on_disk["settings"]["tool_config"] == "tools.yaml" and on_disk["settings"]["max_assistant_turns"] == 3
+    d = on_disk["datasets"]["t"]
+    assert d["tool_use_rate"] == res["datasets"]["t"]["tool_use_rate"]
+    assert d["tool_calls_per_sample"] == pytest.approx(5 / 4) and d["tool_use_rate"] == pytest.approx(3 / 4)
+    lines = [json.loads(x) for x in (tmp_path / "per_problem" / "t.jsonl").read_text().splitlines()]
+    assert [[r["tool_calls"] for r in rec["responses"]] for rec in lines] == calls
