@@ -344,12 +344,14 @@ def _drop_privileges(spec, layers):
 
 _ARCH = {"x86_64": (0xC000003E, {"socket": 41, "unshare": 272, "setns": 308, "clone": 56, "shmget": 29,
                                   "semget": 64, "msgget": 68, "mq_open": 240, "add_key": 248, "request_key": 249,
-                                  "keyctl": 250, "memfd_create": 319}),
+                                  "keyctl": 250, "memfd_create": 319, "inotify_init": 253, "inotify_init1": 294,
+                                  "fanotify_init": 300}),
          "aarch64": (0xC00000B7, {"socket": 198, "unshare": 97, "setns": 268, "clone": 220, "shmget": 194,
                                   "semget": 190, "msgget": 186, "mq_open": 180, "add_key": 217, "request_key": 218,
-                                  "keyctl": 219, "memfd_create": 279})}
+                                  "keyctl": 219, "memfd_create": 279, "inotify_init1": 26, "fanotify_init": 262})}
 _IPC = ("shmget", "msgget", "semget", "mq_open")
 _KEYS = ("add_key", "request_key", "keyctl")
+_WATCH = ("inotify_init", "inotify_init1", "fanotify_init")  # aarch64 has no inotify_init
 
 
 def _seccomp(spec, layers):
@@ -359,6 +361,9 @@ def _seccomp(spec, layers):
     `clone` with a CLONE_NEW* flag; `clone3`, whose flags a filter cannot read, answers ENOSYS so libc
     falls back to `clone`), no io_uring (its operations bypass seccomp), no kernel keyrings (`add_key`,
     `request_key`, `keyctl`: a key outlives the call in its uid's keyring, and uids come back), no
+    file watches (`inotify_init*`, `fanotify_init`: Landlock does not cover them, and a watch on a
+    world-readable folder such as /tmp reported the names of files the host made there; each
+    watch also pins kernel memory RLIMIT_AS does not count: third breaker pass), no
     `memfd_create` (memory outside RLIMIT_AS; unless `allow_memfd`), and, without an IPC namespace of
     its own, no SysV IPC or POSIX message queue (`shmget`, `msgget`, `semget`, `mq_open`: the host's
     objects outlive the call). Another architecture's system call kills the process. An unknown
@@ -376,7 +381,7 @@ def _seccomp(spec, layers):
     prog = [(ld, 4), (jeq, arch, "next", "kill"), (ld, 0)]
     if machine == "x86_64":
         prog.append((jge, 0x40000000, "eperm", "next"))  # the x32 ABI
-    refused = ["socket", "unshare", "setns", *_KEYS]
+    refused = ["socket", "unshare", "setns", *_KEYS, *(w for w in _WATCH if w in nr)]
     if not spec["allow_memfd"]:
         refused.append("memfd_create")
     if not layers.get("ipc_namespace"):

@@ -170,6 +170,56 @@ def test_memfd_create_is_refused_unless_allowed(allow):
     assert ("memfd_create" in r.layers["seccomp"]) != allow
 
 
+WATCH = """
+import time
+fd = libc.inotify_init1(0)
+if fd < 0:
+    print("refused", os.strerror(ctypes.get_errno()))
+else:
+    import select
+    libc.inotify_add_watch(fd, {folder!r}.encode(), 0xfff)
+    ready = select.select([fd], [], [], 4.0)[0]
+    print("seen", bool(ready) and b"made_by_the_host" in os.read(fd, 4096))
+"""
+
+
+@ROOT_ONLY
+@pytest.mark.parametrize("seccomp", [True, False])
+def test_file_watches_are_refused(seccomp):
+    """Third breaker pass: Landlock does not cover inotify / fanotify, so a watch on a world-readable
+    folder (here one like /tmp) reported the names of files the host created there during the call.
+    Now inotify_init* and fanotify_init fail with EPERM; the control without seccomp sees the name."""
+    import tempfile
+    import threading
+    import time
+
+    folder = tempfile.mkdtemp(prefix="mrl-watch-test-")
+    os.chmod(folder, 0o755)
+    try:
+        done = threading.Event()
+
+        def make():  # a new file every 0.2 s until the call ends: one lands after the watch, however slow the start
+            for i in range(40):
+                if done.wait(0.2):
+                    return
+                Path(folder, f"made_by_the_host_{i}").write_text("x")
+
+        maker = threading.Thread(target=make)
+        maker.start()
+        try:
+            r = _run(WATCH.format(folder=folder), seccomp=seccomp)
+        finally:
+            done.set()
+            maker.join()
+        assert r.stdout == ("refused Operation not permitted\n" if seccomp else "seen True\n"), (r.stdout, r.stderr)
+        if seccomp:
+            assert "inotify_init1" in r.layers["seccomp"] and "fanotify_init" in r.layers["seccomp"]
+    finally:
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 # ---- MEDIUM: a trainer with >= 1024 open files --------------------------------------------------------
 
 def test_a_trainer_with_many_open_files_still_runs_calls(tmp_path):
