@@ -102,8 +102,8 @@ class SandboxConfig:
     interpreter's own folders (`sys.prefix`, `sys.path`); a missing path is skipped."""
     seccomp: bool = True
     """A seccomp-bpf filter: `socket()` of any family refused (unix path sockets included), no new
-    namespaces, no io_uring, no kernel keyrings (`add_key`, `request_key`, `keyctl`), no `memfd_create`
-    (unless `allow_memfd`), no SysV IPC or `mq_open` without an IPC namespace (x86_64 and aarch64;
+    namespaces, no io_uring, no kernel keyrings (`add_key`, `request_key`, `keyctl`), no file watches
+    (`inotify_init*`, `fanotify_init`), no `memfd_create` (unless `allow_memfd`), no SysV IPC or `mq_open` without an IPC namespace (x86_64 and aarch64;
     elsewhere the layer is recorded as unavailable)."""
     allow_memfd: bool = False
     """Let the program call `memfd_create` (refused by seccomp by default: its memory is not counted
