@@ -371,22 +371,27 @@ class T09Client:
 
 
 def _t09(partial: bool, script: dict):
-    from megatron_rl.rollout.manager import RolloutManager
-
     tok = WordTok()
     tool = CountingPython({"print(12)\n": "12345\n"})
     holder = {}
     client = T09Client(script, lambda: holder["m"].gate)
-    m = RolloutManager([client], tokenizer=tok, reward_pool=None, reward_fn="dapo_math", max_prompt_length=16,
-                       max_response_length=64, partial_rollout=partial, pause_timeout_s=5,
-                       environment=_env(tok, {"python": tool}, max_assistant_turns=3))
+    res = _one_response(client, _env(tok, {"python": tool}, max_assistant_turns=3), partial, holder)
+    return tok, tool, client, res
+
+
+def _one_response(client, env, partial: bool, holder: dict):
+    """Response `r` of prompt [1, 6] through a real `RolloutManager` on `client` (gate at v5,
+    `holder["m"]` = the manager, for the fakes that publish versions)."""
+    from megatron_rl.rollout.manager import RolloutManager
+
+    m = RolloutManager([client], tokenizer=WordTok(), reward_pool=None, reward_fn="dapo_math", max_prompt_length=16,
+                       max_response_length=64, partial_rollout=partial, pause_timeout_s=5, environment=env)
     holder["m"] = m
     m.gate.set_version(5)
     try:
-        res = m._generate_one(0, [1, 6], {"max_new_tokens": 64, "sampling_seed": 7}, "r")
+        return m._generate_one(0, [1, 6], {"max_new_tokens": 64, "sampling_seed": 7}, "r")
     finally:
         m.close()
-    return tok, tool, client, res
 
 
 T09_CALL = WordTok().encode("```python\nprint(12)" + CODE_STOP)  # 6 tokens ending in a call
@@ -489,21 +494,11 @@ class PublishingPython(CountingPython):
 def _stale_run(partial: bool, script: dict, tool_publishes=(), episode=True):
     """Gate at v5; one response `r` through the real `RolloutManager` (an episode with the tool, or
     a single completion); returns the client, the result and the publishes' stale marks."""
-    from megatron_rl.rollout.manager import RolloutManager
-
     tok, holder = WordTok(), {}
     client = StaleClient(script, lambda: holder["m"].gate)
     tool = PublishingPython({"print(12)\n": "12345\n"}, tool_publishes, lambda: holder["m"].gate, client.published)
     env = _env(tok, {"python": tool}, max_assistant_turns=3) if episode else None
-    m = RolloutManager([client], tokenizer=tok, reward_pool=None, reward_fn="dapo_math", max_prompt_length=16,
-                       max_response_length=64, partial_rollout=partial, pause_timeout_s=5, environment=env)
-    holder["m"] = m
-    m.gate.set_version(5)
-    try:
-        res = m._generate_one(0, [1, 6], {"max_new_tokens": 64, "sampling_seed": 7}, "r")
-    finally:
-        m.close()
-    return client, res, tool
+    return client, _one_response(client, env, partial, holder), tool
 
 
 FULL = WordTok().encode("Answer: 12345\n") + [0]  # 8 tokens
