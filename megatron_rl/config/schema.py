@@ -22,6 +22,7 @@ from megatron_rl.algorithms.options import (ADV_ESTIMATOR_SPECS, CONDITIONAL_REM
 from megatron_rl.config.moe import ExpertOptions
 from megatron_rl.config.multi_turn import RolloutTurns
 from megatron_rl.config.rollout_checks import RolloutChecks
+from megatron_rl.config.rollout_requests import RolloutRequests
 from megatron_rl.errors import ConfigError
 
 ROLLOUT_BACKEND_PORTS: dict[str, int] = {"embedded": 1, "sglang": 2, "vllm": 1, "vllm-embedded": 1}
@@ -86,7 +87,7 @@ class DataConfig:
 
 
 @dataclass(kw_only=True)
-class RolloutConfig(RolloutChecks, RolloutTurns):
+class RolloutConfig(RolloutChecks, RolloutTurns, RolloutRequests):
     backend: str = "embedded"
     """Which servers `megatron-rl train` starts (or, with `server_urls`, which API the given ones
     speak): `embedded` (the project's HF-transformers server speaking SGLang's HTTP API), `sglang`
@@ -149,8 +150,7 @@ class RolloutConfig(RolloutChecks, RolloutTurns):
     startup_timeout_s: float = 180.0
     """How long to wait for an embedded server's /health."""
     max_concurrency: int = 256
-    """HTTP calls in flight (a call carries a group's `n` responses when the engine takes SGLang's
-    batch `/generate`, one response otherwise)."""
+    """HTTP calls in flight (a call carries a prompt's `n` responses on engines with a batch call, else one)."""
     api_key: Optional[str] = None
     """Bearer token for /generate (secret: never written to logs or saved configs)."""
     admin_api_key: Optional[str] = None

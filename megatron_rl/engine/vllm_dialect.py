@@ -5,8 +5,9 @@ backend starts this: the same generation engine and ``UpdateSession`` as the SGL
 (``megatron_rl.engine.app``), behind vLLM's paths and bodies (docs/VLLM_API.md records them with
 vLLM's source files), so that ``VLLMClient`` and the trainer's whole vLLM path run for real.
 
-Paths: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions`` (token-id prompts; answers
-``choices[0].token_ids``, ``logprobs.token_logprobs``/``tokens`` as ``token_id:<id>``,
+Paths: ``GET /health``, ``GET /v1/models``, ``POST /v1/completions`` (token-id prompts; ``n`` > 1
+runs child j seeded ``seed`` + j, as vLLM's parallel sampling, answered as ``choices[j]``; answers
+``choices[j].token_ids``, ``logprobs.token_logprobs``/``tokens`` as ``token_id:<id>``,
 ``prompt_logprobs`` (``prompt_logprobs: 0`` only: each prompt token's own log-prob),
 ``finish_reason`` stop|length|abort, ``stop_reason``, ``usage``, and with ``--enable-return-routed-experts``
 on a Mixture-of-Experts model ``choices[0].routed_experts``: base64 ``.npy`` of uint8/uint16
@@ -166,10 +167,11 @@ def _parse(model: type[BaseModel], data: Any, what: str) -> Any:
                                       "code": 400}}) from None
 
 
-def _sampling(body: CompletionBody):
-    """The SGLang-keyed sampling parameters of a completion body, validated by the engine's own gate."""
-    if body.n != 1:
-        raise RequestError({"error": {"message": "the stand-in generates n=1 per request", "code": 400}})
+def _sampling(body: CompletionBody, child: int = 0):
+    """The SGLang-keyed sampling parameters of a completion body, validated by the engine's own gate;
+    ``child`` j of a body with ``n`` > 1 is seeded ``seed`` + j, as vLLM's ``ParentRequest`` does."""
+    if body.n < 1:
+        raise RequestError({"error": {"message": f"n must be at least 1, got {body.n}", "code": 400}})
     if body.stream or body.echo:
         raise RequestError({"error": {"message": "stream and echo are not supported by the stand-in", "code": 400}})
     if not body.return_tokens_as_token_ids:
@@ -183,7 +185,7 @@ def _sampling(body: CompletionBody):
         "skip_special_tokens": body.skip_special_tokens,
         "spaces_between_special_tokens": body.spaces_between_special_tokens,
         "no_stop_trim": body.include_stop_str_in_output,
-        "sampling_seed": body.seed,
+        "sampling_seed": None if body.seed is None else body.seed + child,
         "logit_bias": body.logit_bias,
         "stop": body.stop,
     }
@@ -232,6 +234,18 @@ def completion_response(out: dict, *, request_id: str, model: str, stop_token_id
         "usage": {"prompt_tokens": meta["prompt_tokens"], "completion_tokens": meta["completion_tokens"],
                   "total_tokens": meta["prompt_tokens"] + meta["completion_tokens"]},
     }
+
+
+def merge_choices(answers: list[dict]) -> dict:
+    """One ``CompletionResponse`` of the n answers (one choice each) of a request's children: choice
+    j is child j's (``index`` j), ``usage.completion_tokens`` their sum (vLLM's parallel sampling)."""
+    if len(answers) == 1:
+        return answers[0]
+    choices = [dict(a["choices"][0], index=j) for j, a in enumerate(answers)]
+    made = sum(a["usage"]["completion_tokens"] for a in answers)
+    prompt = answers[0]["usage"]["prompt_tokens"]
+    return dict(answers[0], choices=choices,
+                usage={"prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made})
 
 
 def build_vllm_app(state: ServerState) -> FastAPI:
@@ -306,7 +320,7 @@ def build_vllm_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = _parse(CompletionBody, await _json_body(request), "CompletionRequest")
-        params = _sampling(body)
+        params = [_sampling(body, j) for j in range(body.n)]  # vLLM's parallel sampling: child j seeded seed + j
         if sleeping["asleep"]:
             return error("Generation is paused. Please retry after it resumes. (the server sleeps: "
                          f"{', '.join(sorted(sleeping['asleep']))} not awake)", 503)
@@ -322,17 +336,20 @@ def build_vllm_app(state: ServerState) -> FastAPI:
             return error(f"prompt_logprobs={body.prompt_logprobs}: the stand-in returns each prompt token's own "
                          "log-prob only (prompt_logprobs: 0)")
         scored = body.prompt_logprobs is not None
-        prompt = _Prompt(prompt=list(body.prompt), params=params, rid=f"cmpl-{request_id}-0",
-                         return_logprob=body.logprobs is not None or scored, logprob_start_len=0 if scored else -1,
-                         return_routed_experts=routed, routed_start=body.routed_experts_prompt_start if routed else 0)
-        gen = (await run_requests(state, [prompt], raw=True))[0]
-        out = response_of(gen, routed=False)
-        rows = gen.routed_experts()
-        return JSONResponse(completion_response(
-            out, request_id=request_id, model=body.model or state.model_path,
-            stop_token_ids=list(body.stop_token_ids or []), eos=set(engine.eos_token_ids),
-            with_logprobs=body.logprobs is not None,
-            routed_experts=None if rows is None else encode_routed_experts_npy(rows, engine.routers.num_experts)))
+        engine_id = f"cmpl-{request_id}-0"  # children: one abort of this id (a prefix) ends them all
+        prompts = [_Prompt(prompt=list(body.prompt), params=p, rid=engine_id if body.n == 1 else f"{engine_id}-c{j}",
+                           return_logprob=body.logprobs is not None or scored, logprob_start_len=0 if scored else -1,
+                           return_routed_experts=routed, routed_start=body.routed_experts_prompt_start if routed else 0)
+                   for j, p in enumerate(params)]
+        answers = []
+        for gen in await run_requests(state, prompts, raw=True):
+            rows = gen.routed_experts()
+            answers.append(completion_response(
+                response_of(gen, routed=False), request_id=request_id, model=body.model or state.model_path,
+                stop_token_ids=list(body.stop_token_ids or []), eos=set(engine.eos_token_ids),
+                with_logprobs=body.logprobs is not None,
+                routed_experts=None if rows is None else encode_routed_experts_npy(rows, engine.routers.num_experts)))
+        return JSONResponse(merge_choices(answers))
 
     # ---- generation control ------------------------------------------------------------
 

@@ -1,11 +1,13 @@
 """Rollout manager: prompts -> groups of scored responses (DESIGN.md steps 2-4).
 
 Only the controller (trainer global rank 0) uses it. Each response has its own request id and
-`sampling_seed` derived from (run seed, step, generation batch, prompt index, response index);
-results are ordered by (generation batch, prompt index, response index), never by arrival. When
-every engine takes SGLang's batch `/generate` (`RolloutEngine.supports_batch_generate`), the `n`
-responses of a prompt go out as one call (one entry per response: its rid, seed and parameters,
-so nothing sampled changes); otherwise one call per response (vLLM's completions API).
+`sampling_seed` derived from (run seed, step, generation batch, prompt index, response index;
+`partial.response_seeds`); results are ordered by (generation batch, prompt index, response index),
+never by arrival. When every engine takes a batch call (`RolloutEngine.supports_batch_generate`:
+SGLang's batch `/generate`; vLLM's client, which sends the group as one completion with `n` when
+the seeds are consecutive, `consecutive_seeds`), the `n` responses of a prompt go out as one call
+(one entry per response: its rid, seed and parameters, so nothing sampled changes); otherwise one
+call per response.
 
 Live weight updates (ALGORITHMS.md section 8): a request aborted by a pause of the engines
 (`rollout.pause_mode: abort`) or as too stale before one is resubmitted once the engines continue,
@@ -28,7 +30,6 @@ tokens' log-probs were computed with.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import threading
 import time
@@ -43,7 +44,8 @@ import torch
 from megatron_rl.algorithms.reward_shaping import overlong_penalty
 from megatron_rl.data.dataset import PromptRow
 from megatron_rl.data.prompts import render_prompt_ids
-from megatron_rl.rollout.live import concat_spans, spans_of
+from megatron_rl.rollout.live import spans_of
+from megatron_rl.rollout.partial import continuation, derive_seed, join_routing, joined, response_seeds  # noqa: F401
 from megatron_rl.rollout.multiturn import RESTART_EPISODE, episode_stats, model_token_ids, run_episode
 
 logger = logging.getLogger(__name__)
@@ -140,12 +142,6 @@ class Group:
         return [float(s.acc) if metric == "acc" else s.score for s in self.samples if not s.failed]
 
 
-def derive_seed(*parts: int | str) -> int:
-    """A stable 31-bit seed from (run seed, step, batch, prompt, response); independent of Python's hash salt."""
-    h = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") & 0x7FFFFFFF
-
-
 class RolloutManager:
     """Generates and scores groups through one or more SGLang-API servers.
 
@@ -175,6 +171,10 @@ class RolloutManager:
             not checked.
         environment: a `multiturn.Environment` that runs every response as an episode of turns
             (`rollout.multi_turn`); None (default): one completion a response. Closed by `close`.
+        consecutive_seeds: response j of a prompt samples with the prompt's seed + j
+            (`partial.response_seeds`), so that engines with parallel sampling (vLLM: one request
+            with `n`, `rollout.vllm_parallel_sampling`) take a prompt's responses as one request;
+            False (default): a seed derived per response.
     """
 
     def __init__(
@@ -197,6 +197,7 @@ class RolloutManager:
         routed_experts=None,
         context_limit: tuple[int, str] | None = None,
         environment=None,
+        consecutive_seeds: bool = False,
     ) -> None:
         from megatron_rl.rollout.fleet import ServerFleet
 
@@ -219,6 +220,7 @@ class RolloutManager:
         """`RoutedExpertsSpec` of the routing every response carries, or None."""
         self.context_limit = context_limit
         self.environment = environment
+        self.consecutive_seeds = consecutive_seeds
         self.gate = self.fleet.gate
         self._own_aborts: set[str] = set()
         self._own_lock = threading.Lock()
@@ -291,8 +293,8 @@ class RolloutManager:
             self.check_fits(row, self.prompt_ids(row), max_new)
         for i, row in enumerate(rows):
             ids = self.prompt_ids(row)
-            params = [dict(sampling_params, max_new_tokens=max_new, sampling_seed=derive_seed(*seed_parts, i, j))
-                      for j in range(n)]
+            params = [dict(sampling_params, max_new_tokens=max_new, sampling_seed=seed)
+                      for seed in response_seeds(seed_parts, i, n, consecutive=self.consecutive_seeds)]
             for f in self._submit_row(i, n, ids, params, [request_id(tag, i, j, n) for j in range(n)]):
                 futures.append(f)
                 if on_response is not None:
@@ -394,7 +396,7 @@ class RolloutManager:
                 if attempt:
                     sub = (ids, params, f"{rid}-a{attempt}")
                     if done[e] is not None:
-                        sub = (*self._continuation(ids, params, done[e], attempt), sub[2])
+                        sub = (*continuation(ids, params, done[e], attempt), sub[2])
                 subs.append(sub)
             gate = self.gate
             epoch, submitted = gate.pause_epoch, gate.version
@@ -414,7 +416,7 @@ class RolloutManager:
                 spans = spans_of(res.weight_versions, res.weight_version, submitted=submitted, published=gate.version)
                 res = dataclasses.replace(res, version_spans=tuple(spans), resubmissions=attempt)
                 if done[e] is not None:
-                    res = self._joined(done[e], res)
+                    res = joined(done[e], res)
                 out[e] = res
                 if res.finish_type != "abort":
                     continue
@@ -451,31 +453,6 @@ class RolloutManager:
         restart = not self.partial_rollout  # a turn aborted by a pause restarts its episode (CASES.md T09)
         return run_episode(self.environment, ids, params, rid, lambda i, p, r, old: self.generate_ids(
             i, p, r, key, restart=restart, oldest=old), self.gate)
-
-    @staticmethod
-    def _continuation(ids: list[int], params: dict, done, attempt: int) -> tuple[list[int], dict]:
-        """Prompt and params that continue `done`: the prefix appended, the remaining token budget."""
-        made = len(done.output_ids)
-        sub = dict(params, max_new_tokens=int(params["max_new_tokens"]) - made)
-        if params.get("min_new_tokens"):
-            sub["min_new_tokens"] = max(int(params["min_new_tokens"]) - made, 0)
-        if params.get("sampling_seed") is not None:  # a fresh stream: the prefix's draws are not replayed
-            sub["sampling_seed"] = derive_seed(params["sampling_seed"], "continue", attempt)
-        return list(ids) + list(done.output_ids), sub
-
-    @staticmethod
-    def _joined(done, res):
-        """`done` followed by its continuation `res` (ids, log-probs, spans and routing concatenated)."""
-        logprobs = None
-        if done.output_logprobs is not None and res.output_logprobs is not None:
-            logprobs = list(done.output_logprobs) + list(res.output_logprobs)
-        made = len(done.output_ids)
-        spans = concat_spans(list(done.version_spans), made, list(res.version_spans)) if res.output_ids else \
-            list(done.version_spans)
-        return dataclasses.replace(
-            res, output_ids=list(done.output_ids) + list(res.output_ids), output_logprobs=logprobs,
-            prompt_tokens=done.prompt_tokens, completion_tokens=made + res.completion_tokens, weight_versions=None,
-            version_spans=tuple(spans), routed_experts=join_routing(done, res))
 
     def _own_abort(self, rid: str) -> bool:
         with self._own_lock:
@@ -556,8 +533,8 @@ class RolloutManager:
             self.check_fits(row, self.prompt_ids(row), max_new)
         for i, row in enumerate(rows):
             ids = self.prompt_ids(row)
-            params = [dict(sampling_params, max_new_tokens=max_new,
-                           sampling_seed=derive_seed(self.seed, step, gen_batch, i, j)) for j in range(n)]
+            params = [dict(sampling_params, max_new_tokens=max_new, sampling_seed=seed)
+                      for seed in response_seeds((self.seed, step, gen_batch), i, n, consecutive=self.consecutive_seeds)]
             for j, f in enumerate(self._submit_row(i, n, ids, params, [request_id(tag, i, j, n) for j in range(n)])):
                 futures[f] = (i, j)
         results: list[list] = [[None] * n for _ in rows]
@@ -651,35 +628,6 @@ class RolloutManager:
                 )
             groups.append(Group(prompt_key=row.prompt_key, group_uid=uid, samples=samples))
         return groups
-
-
-def join_routing(done, res) -> np.ndarray | None:
-    """The routing of a partial rollout `done` (prompt P, m tokens) continued by `res` (its request:
-    prompt P + m, c tokens), [P + m + c - 1, layers, top-k]: `done`'s rows for positions
-    [0, P + m - 1), as they were routed when those tokens were generated, then `res`'s rows from
-    position P + m - 1 (the prefix's last token, which `done` never fed back) on, as the
-    continuation routed them. A continuation without tokens (aborted again at once) adds nothing:
-    `done`'s rows (then P + m - 1 of them, as the joined result's counts say). None when `done`
-    carries no routing (not asked for), or when `res` is an abort that came without routing (the
-    manager then resubmits the response from scratch: its parts cannot all be replayed).
-
-    Raises:
-        ValueError: a finished continuation without routing, or routing that does not cover its
-            prompt (names the request).
-    """
-    if done.routed_experts is None:
-        return None
-    if not res.output_ids:
-        return done.routed_experts
-    start = done.prompt_tokens + len(done.output_ids) - 1
-    tail = res.routed_experts
-    if tail is None and res.finish_type == "abort":
-        return None
-    if tail is None or tail.shape[0] < start or tail.shape[1:] != done.routed_experts.shape[1:]:
-        raise ValueError(f"continuation {res.rid!r} of a partial rollout: routed_experts "
-                         f"{None if tail is None else list(tail.shape)} do not cover its prompt of {start + 1} tokens "
-                         f"with the first part's [layers, top-k] {list(done.routed_experts.shape[1:])}")
-    return np.concatenate([done.routed_experts[:start], tail[start:]], axis=0)
 
 
 def _resubmitted(results: list[list]) -> int:

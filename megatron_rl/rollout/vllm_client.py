@@ -41,12 +41,14 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 from megatron_rl.errors import RolloutServerError
 from megatron_rl.rollout.client import GenerateResult, HTTPEngineClient, StopReason
+from megatron_rl.rollout.engine import check_batch
 from megatron_rl.rollout.result import RoutedExpertsSpec, decode_npy_routed_experts, routed_experts_of
+from megatron_rl.rollout.vllm_group import group_request_id, parallel_group, split_group_answer
 
 logger = logging.getLogger(__name__)
 
@@ -257,7 +259,7 @@ class VLLMClient(HTTPEngineClient):
     def __init__(self, base_url: str, **kwargs) -> None:
         super().__init__(base_url, **kwargs)
         self._admin_api_key = None
-        self._inflight: set[str] = set()
+        self._inflight: dict[str, str] = {}  # rid -> the engine id of the request that carries it
         self._inflight_lock = threading.Lock()
         self._group: str | None = None
         self._sleep = _SleepState.of(self.base_url)
@@ -371,20 +373,62 @@ class VLLMClient(HTTPEngineClient):
             ValueError: ``n`` > 1, empty ``input_ids``, or a parameter vLLM has no field for.
         """
         body = completion_body(input_ids, sampling_params, rid, return_logprob)
-        self._check_awake(rid)
+        data = self._complete(body, [rid], rid, timeout_s)
+        return result_from_vllm(data, rid=rid, stop_token_ids=sampling_params.get("stop_token_ids") or (),
+                                eos_token_ids=eos_token_ids, return_logprob=return_logprob,
+                                routed_experts=routed_experts)
+
+    supports_batch_generate = True
+    """K entries that are one prompt's responses (same prompt and params, seeds s, s + 1, ...) go out
+    as one completion with ``n`` = K (``vllm_group``: what vLLM samples for them is what K requests
+    would); any other batch as K requests side by side."""
+
+    def generate_batch(self, input_ids: Sequence[list[int]], sampling_params: Sequence[dict[str, Any]],
+                       rids: Sequence[str], return_logprob: bool = True, *, eos_token_ids: Iterable[int] | None = None,
+                       timeout_s: float | None = None, routed_experts: RoutedExpertsSpec | None = None) -> list:
+        """`generate` for K entries, results in entry order: one ``/v1/completions`` with ``n`` = K
+        when they form a parallel-sampling group (``vllm_group.parallel_group``), else K requests.
+        Every entry's rid stays abortable (``abort_request`` by any prefix of it ends its group).
+
+        Raises:
+            RolloutServerError: as `generate`; an answer whose choices are not K (indices 0..K-1) or
+                whose ``usage`` does not add up.
+            ValueError: lengths differ, an empty prompt, or a parameter vLLM has no field for.
+        """
+        check_batch(input_ids, sampling_params, rids)
+        if not parallel_group(input_ids, sampling_params):
+            return super().generate_batch(input_ids, sampling_params, rids, return_logprob, eos_token_ids=eos_token_ids,
+                                          timeout_s=timeout_s,
+                                          **({} if routed_experts is None else {"routed_experts": routed_experts}))
+        k, group = len(rids), group_request_id(rids)
+        body = completion_body(input_ids[0], sampling_params[0], group, return_logprob)
+        body["n"] = k
+        data = self._complete(body, list(rids), group, timeout_s)
+        try:
+            parts = split_group_answer(data, k, f"/v1/completions answer for {group!r} (n={k})")
+        except ValueError as e:
+            raise _shape_error("/v1/completions", str(e), data) from None
+        eos = None if eos_token_ids is None else list(eos_token_ids)
+        stops = sampling_params[0].get("stop_token_ids") or ()
+        return [result_from_vllm(part, rid=rid, stop_token_ids=stops, eos_token_ids=eos, return_logprob=return_logprob,
+                                 routed_experts=routed_experts) for part, rid in zip(parts, rids)]
+
+    def _complete(self, body: dict, rids: list[str], request: str, timeout_s: float | None) -> dict:
+        """POST ``body`` (request id ``request``) with ``rids`` in flight (each aborts the request)."""
+        self._check_awake(request)
+        engine_id = engine_request_id(request)
         with self._inflight_lock:
-            self._inflight.add(rid)
+            self._inflight.update((r, engine_id) for r in rids)
         try:
             resp = self._request("POST", "/v1/completions", json=body, timeout_s=timeout_s or self.generate_timeout_s)
         finally:
             with self._inflight_lock:
-                self._inflight.discard(rid)
+                for r in rids:
+                    self._inflight.pop(r, None)
         data = self._check(resp, "/v1/completions")
         if not isinstance(data, dict):
             raise _shape_error("/v1/completions", f"a {type(data).__name__}, not an object", data)
-        return result_from_vllm(data, rid=rid, stop_token_ids=sampling_params.get("stop_token_ids") or (),
-                                eos_token_ids=eos_token_ids, return_logprob=return_logprob,
-                                routed_experts=routed_experts)
+        return data
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
         """``POST /abort_requests``: the requests of this client whose rid starts with ``rid`` (their
@@ -396,7 +440,7 @@ class VLLMClient(HTTPEngineClient):
             if not rid:
                 return
             with self._inflight_lock:
-                ids = sorted(engine_request_id(r) for r in self._inflight if r.startswith(rid))
+                ids = sorted({e for r, e in self._inflight.items() if r.startswith(rid)})
             if not ids:
                 return
         self._dict("POST", "/abort_requests", ("status",), json={"request_ids": ids})

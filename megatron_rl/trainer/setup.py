@@ -428,6 +428,7 @@ def _connect_controller(run: Run, stack: contextlib.ExitStack, remote_urls=()) -
         max_concurrency=r.max_concurrency, eos_token_ids=sorted(eos), partial_rollout=r.partial_rollout,
         pause_timeout_s=cfg.weight_sync.timeout_s + r.timeout_s, context_limit=context_limit,
         environment=build_environment(r.multi_turn, run.tokenizer),
+        consecutive_seeds=r.consecutive_seeds(r.backend),
     )
     stack.callback(manager.close)
     run.producer = RolloutProducer(cfg, manager, run.dataset, run.tracker, pad_id=run.pad_id, dp_size=run.pgs.dp_size)

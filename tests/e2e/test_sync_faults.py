@@ -88,7 +88,8 @@ def test_server_killed_mid_rollout_is_restarted_and_every_rank_resyncs(clean_run
     faults (deterministic inference, seeded requests retried with the same seeds). In SGLang's
     dialect and in vLLM's (`vllm-embedded`: VLLMClient, a fresh server joined through
     /init_weight_transfer_engine; its tokens equal the SGLang dialect's, tests/e2e/test_train_vllm_dialect.py,
-    so the same clean run is the reference)."""
+    so the same clean run is the reference: with one request per response, the seeds the clean run
+    has; a group request with `n` is retried as the same group, `RolloutManager._post`)."""
     run_dir = tmp_path / "run"
     env = dict(os.environ)
     env.pop(FAULT_REFUSE_UPDATES_ENV, None)
@@ -98,7 +99,8 @@ def test_server_killed_mid_rollout_is_restarted_and_every_rank_resyncs(clean_run
          "trainer.save_interval=1", "eval.max_problems=8", "eval.n=1", "eval.interval=0",
          "data.train_batch_size=4", "data.gen_batch_size=6", "rollout.n=4", "actor.ppo_mini_batch_size=4",
          "trainer.nproc_per_node=2", "trainer.tensor_model_parallel_size=2",
-         "rollout.enable_deterministic_inference=true", "rollout.max_server_restarts=1", f"rollout.backend={backend}"],
+         "rollout.enable_deterministic_inference=true", "rollout.max_server_restarts=1", f"rollout.backend={backend}",
+         "rollout.parallel_sampling=false"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
     err = kill_server_when(proc, run_dir, "step 1:", timeout_s=900)
     log = run_dir / "train.log"

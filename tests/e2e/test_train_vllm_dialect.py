@@ -3,7 +3,8 @@ embedded server speaking vLLM 0.33.x's API, docs/VLLM_API.md, driven by `VLLMCli
 pause/resume, `/init_weight_transfer_engine`, `/start_weight_update`, `/update_weights`,
 `/finish_weight_update`) samples the same tokens as the SGLang-dialect `embedded` run in every
 step (`rollout/token_checksum`) and trains to the same loss and gradient norm: the loop cannot
-tell the two dialects apart."""
+tell the two dialects apart. The vLLM run sends a prompt's responses as one completion with `n`
+(vLLM's parallel sampling, child j seeded seed + j), the SGLang run the same seeds one per entry."""
 
 import json
 import subprocess
@@ -19,7 +20,7 @@ SAME = ("rollout/token_checksum", "train/loss", "train/grad_norm", "train/score"
         "response_length/mean", "weight_sync/version", "weight_sync/num_tensors")
 
 
-def _start(run_dir: Path, backend: str) -> subprocess.Popen:
+def _start(run_dir: Path, backend: str, *extra: str) -> subprocess.Popen:
     """One short run (deterministic inference: its tokens do not depend on timing, so two runs may
     share the CPUs at once)."""
     run_dir.mkdir(parents=True)
@@ -28,7 +29,7 @@ def _start(run_dir: Path, backend: str) -> subprocess.Popen:
          f"run_dir={run_dir}", f"rollout.backend={backend}", f"trainer.total_training_steps={STEPS}",
          "trainer.progress_bar=false", "trainer.save_interval=0", "eval.before_train=false",
          "eval.max_problems=8", "eval.n=2", "rollout.enable_deterministic_inference=true",
-         "data.train_batch_size=4", "data.gen_batch_size=6", "rollout.n=4", "actor.ppo_mini_batch_size=2"],
+         "data.train_batch_size=4", "data.gen_batch_size=6", "rollout.n=4", "actor.ppo_mini_batch_size=2", *extra],
         stdout=subprocess.DEVNULL, stderr=open(run_dir.parent / f"{run_dir.name}.stderr", "w"), cwd=ROOT,
     )
 
@@ -46,8 +47,10 @@ def _result(proc: subprocess.Popen, run_dir: Path) -> tuple[dict[int, dict], dic
 
 
 def test_vllm_dialect_run_matches_sglang_dialect_run(tmp_path):
-    procs = {name: _start(tmp_path / name, backend) for name, backend in (("sglang", "embedded"),
-                                                                          ("vllm", "vllm-embedded"))}
+    # the vLLM run sends each prompt's 4 responses as one completion with n=4 (rollout.parallel_sampling,
+    # on for vLLM backends); the SGLang run, with the same option, one batch /generate with seeds s..s+3
+    procs = {"sglang": _start(tmp_path / "sglang", "embedded", "rollout.parallel_sampling=true"),
+             "vllm": _start(tmp_path / "vllm", "vllm-embedded")}
     sglang, sglang_summary = _result(procs["sglang"], tmp_path / "sglang")
     vllm, vllm_summary = _result(procs["vllm"], tmp_path / "vllm")
     assert sorted(vllm) == sorted(sglang) == list(range(1, STEPS + 1))

@@ -100,6 +100,41 @@ def test_launcher_starts_vllm_cpu_with_the_gloo_engine(vllm_server):
     print(f"vLLM CPU start-up of 2 engines together (--enforce-eager): {startup_s:.1f} s")
 
 
+def test_one_request_with_n_samples_what_n_requests_seeded_s_plus_j_do(vllm_server):
+    """vLLM's parallel sampling (``rollout.parallel_sampling``, ``rollout/vllm_group.py``): a group of 4
+    responses with seeds s..s+3 sent as one completion with ``n`` = 4 gives, response by response,
+    the tokens and log-probs of 4 requests with those seeds sent one at a time: vLLM seeds child j
+    with seed + j and answers it as ``choices[j]``. Then an abort by one member's rid ends the group."""
+    from megatron_rl.rollout.vllm_client import VLLMClient
+    from megatron_rl.rollout.vllm_group import parallel_group
+
+    server, _ = vllm_server
+    client = VLLMClient(server.base_url, timeout_s=120.0)
+    params = [{"max_new_tokens": 16, "temperature": 1.0, "sampling_seed": 1234 + j} for j in range(4)]
+    ids = [PROMPTS[1]] * 4
+    assert parallel_group(ids, params)
+    tag = f"par-{time.monotonic_ns()}"
+    grouped = client.generate_batch(ids, params, [f"{tag}-r{j}" for j in range(4)])
+    single = [client.generate(PROMPTS[1], p, rid=f"{tag}-single-{j}") for j, p in enumerate(params)]
+    assert [g.output_ids for g in grouped] == [s.output_ids for s in single]
+    assert len({tuple(g.output_ids) for g in grouped}) > 1  # the children really differ
+    for g, s in zip(grouped, single):
+        assert g.output_logprobs == pytest.approx(s.output_logprobs, abs=1e-4)
+    # abort by a member's rid while the group runs: every child ends with finish_reason abort
+    import threading
+
+    long = [{"max_new_tokens": 200, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 9 + j} for j in range(3)]
+    box = {}
+    t = threading.Thread(target=lambda: box.update(out=client.generate_batch(
+        [PROMPTS[0]] * 3, long, [f"{tag}-long-r{j}" for j in range(3)])))
+    t.start()
+    time.sleep(0.5)
+    client.abort_request(rid=f"{tag}-long-r2")
+    t.join(60)
+    assert [r.finish_type for r in box["out"]] == ["abort"] * 3, [r.finish_type for r in box["out"]]
+    assert all(len(r.output_ids) < 200 for r in box["out"])
+
+
 def test_gloo_weight_update_changes_and_restores_generations(vllm_server):
     from safetensors.torch import load_file
 

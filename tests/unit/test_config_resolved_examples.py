@@ -24,7 +24,8 @@ Mixture-of-Experts): `actor.router_replay` (false), `trainer.expert_model_parall
 And `examples/tiny/moe-dapo.yaml`, recorded with `_resolved`; it must stay the tiny dapo.yaml on the
 tiny MoE model with replay (`test_tiny_moe_dapo_is_dapo_on_the_moe_model_with_replay`). New since (issue 32):
 `rollout.check_logprob_semantics` (true: the engines' log-probs are checked before step 1). New since
-(issue 31): the `rollout.multi_turn` section (off by default)."""
+(issue 31): the `rollout.multi_turn` section (off by default). New since (issue 30):
+`rollout.parallel_sampling` (None = on for the vLLM backends)."""
 
 import json
 from pathlib import Path
