@@ -36,7 +36,6 @@ inside a call runs nothing (CASES.md T04). A failure of the tools' infrastructur
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
 import re
 import time
@@ -52,7 +51,7 @@ from megatron_rl.tools.formats import CODE_STOP, code_response_text
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CODE_STOP", "ENVIRONMENTS", "RESTART_EPISODE", "Environment", "Episode", "ToolEnvironment",
+__all__ = ["CODE_STOP", "ENVIRONMENTS", "MAX_EPISODE_RESTARTS", "RESTART_EPISODE", "Environment", "Episode", "ToolEnvironment",
            "build_environment", "episode_stats", "max_overlap", "model_token_ids", "run_episode", "tool_answer_ids",
            "tool_answer_pieces", "tool_answer_text", "truncate_text"]
 
@@ -61,6 +60,9 @@ ENVIRONMENTS: Registry[type] = Registry("environment")
 `@ENVIRONMENTS.register("name")` on an `Environment` subclass."""
 
 
+MAX_EPISODE_RESTARTS = 8
+"""Restarts of one episode (`run_episode`) before it is given up: an abort result, so its group is
+dropped (`rollout/failed_groups`) instead of the rollout spinning while updates keep outdating it."""
 RESTART_EPISODE = ("aborted by a pause of the engines (rollout.partial_rollout off) or as too stale: the episode "
                    "starts again")
 """`abort_message` of a turn the rollout manager did not resubmit because its episode starts again
@@ -439,14 +441,18 @@ def run_episode(environment: Environment, ids: Sequence[int], params: dict, rid:
     a turn sent or finished once `gate.stale_floor` (the highest `stale_below` so far) is above it, e.g.
     after an update that came while the tools ran, ends as `RESTART_EPISODE` too.
     """
-    for attempt in itertools.count():
+    for attempt in range(MAX_EPISODE_RESTARTS + 1):
         episode = Episode(ids, int(params["max_new_tokens"]))
         environment.run(episode, lambda i, p, r, ep=episode: _episode_turn(ep, generate, gate, i, p, r), params,
                         f"{rid}-a{attempt}" if attempt else rid)
         res = episode.result()
         if res.abort_message != RESTART_EPISODE:
             return dataclasses.replace(res, resubmissions=res.resubmissions + attempt)
-    raise AssertionError("unreachable")
+    logger.warning("episode %s: restarted %d times, every attempt outdated by weight updates; its group is dropped",
+                   rid, MAX_EPISODE_RESTARTS)
+    return dataclasses.replace(res, resubmissions=res.resubmissions + MAX_EPISODE_RESTARTS, abort_message=(
+        f"episode restarted {MAX_EPISODE_RESTARTS} times (multiturn.MAX_EPISODE_RESTARTS), each attempt aborted by a "
+        "pause or as too stale: given up (raise trainer.max_staleness, or turn rollout.partial_rollout on)"))
 
 
 def _episode_turn(episode: Episode, generate, gate, ids: list[int], params: dict, rid: str):

@@ -680,3 +680,29 @@ def test_T10_infrastructure_failure_is_excluded_from_the_group(tiny):
     assert episode_stats([results])["rollout/tool_infra_failures"] == 1
     groups, _ = _t10_groups(tiny, [True, "X", True, True])
     assert groups[0].metric_values("acc") == [1.0, 1.0, 1.0] and not RolloutProducer.keep(stub, groups[0])
+
+
+def test_an_episode_outdated_at_every_attempt_is_given_up_after_the_restart_limit(caplog):
+    """Every attempt's turn comes back as `RESTART_EPISODE` (weight updates keep outdating it): the
+    episode starts again `MAX_EPISODE_RESTARTS` times (`r`, `r-a1` .. `r-a8`), then ends as an
+    abort with a message naming the limit (its group is dropped) instead of restarting for ever."""
+    from megatron_rl.rollout.multiturn import MAX_EPISODE_RESTARTS, RESTART_EPISODE, run_episode
+
+    class OneTurn:
+        def run(self, episode, generate, params, rid):
+            episode.add_model_turn(generate(list(episode.context()), dict(params), rid))
+
+    sent = []
+
+    def generate(ids, params, rid, oldest):
+        sent.append(rid)
+        return GenerateResult(rid=rid, output_ids=[], output_logprobs=[], finish_type="abort", matched_stop=None,
+                              stop_reason="abort", prompt_tokens=len(ids), completion_tokens=0, weight_version=None,
+                              abort_message=RESTART_EPISODE)
+
+    res = run_episode(OneTurn(), [1, 2], {"max_new_tokens": 8}, "r", generate)
+    assert MAX_EPISODE_RESTARTS == 8
+    assert sent == ["r"] + [f"r-a{k}" for k in range(1, 9)]
+    assert res.finish_type == "abort" and res.abort_message != RESTART_EPISODE
+    assert "restarted 8 times" in res.abort_message and res.resubmissions == 8
+    assert "restarted 8 times" in caplog.text
