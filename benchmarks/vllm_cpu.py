@@ -104,6 +104,13 @@ def part_step(vllm_python: str, steps: int, skip_first: int, work: Path, rounds:
     out["trainer_phases_ratio"] = ((vll["phases"]["log-probs"]["mean_s"] + vll["phases"]["update"]["mean_s"])
                                    / (emb["phases"]["log-probs"]["mean_s"] + emb["phases"]["update"]["mean_s"]))
     out["rollout_ratio"] = vll["phases"]["rollout"]["mean_s"] / emb["phases"]["rollout"]["mean_s"]
+    # the two backends sample different tokens (different seeds and samplers), so dynamic sampling draws a
+    # different number of generation batches a step: the vLLM step with its rollout rescaled to the
+    # embedded run's batches a step compares the same work
+    nb = {k: out[k]["split"]["means"]["train/num_gen_batches"] for k in ("embedded", "vllm")}
+    roll = vll["phases"]["rollout"]["mean_s"]
+    out["gen_batches_per_step"] = nb
+    out["same_draws_ratio"] = (vll["step_s"] - roll + roll / nb["vllm"] * nb["embedded"]) / emb["step_s"]
     out["target"] = "vllm step <= 1.2x embedded"
     out["target_met"] = out["ratio_vllm_to_embedded"] <= 1.2
     return out
@@ -194,6 +201,10 @@ def main() -> None:
         print(f"vLLM / embedded: {s['ratio_vllm_to_embedded']:.2f} (median steps {s['median_ratio_vllm_to_embedded']:.2f}; "
               f"target <= 1.2: {'met' if s['target_met'] else 'NOT met'}); rollout {s.get('rollout_ratio', float('nan')):.2f}, "
               f"trainer-only phases {s.get('trainer_phases_ratio', float('nan')):.2f} (the same work on both: the load)")
+        if "same_draws_ratio" in s:
+            nb = s["gen_batches_per_step"]
+            print(f"generation batches a step: embedded {nb['embedded']:.2f}, vLLM {nb['vllm']:.2f}; vLLM step with the "
+                  f"embedded run's draws: {s['same_draws_ratio']:.2f}x")
     if "sync" in results:
         s = results["sync"]
         print(f"sync of {s['model_bytes'] / 1e9:.2f} GB into vLLM: {s['sync_time_s']:.2f} s = {s['sync_gb_per_s']:.2f} GB/s; "

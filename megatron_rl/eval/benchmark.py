@@ -427,6 +427,7 @@ def run_eval(*, datasets: Sequence[str], out_dir: str | os.PathLike, checkpoint:
                                  max_response_length=settings.max_new_tokens, seed=settings.seed,
                                  max_concurrency=max_concurrency, eos_token_ids=eos,
                                  context_limit=engine_context_limit([client]),  # refused, not cut, when too long
-                                 environment=environment)
+                                 environment=environment,  # vLLM: a prompt's n samples as one request with n
+                                 consecutive_seeds=server_url is not None and server_backend == "vllm")
         stack.callback(manager.close)
         return evaluate_datasets(manager, pool, tokenizer, loaded, settings, out)

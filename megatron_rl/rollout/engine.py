@@ -50,6 +50,12 @@ class RolloutEngine(abc.ABC):
     """True when `generate_batch` sends several prompts in one call (SGLang's batch `/generate`);
     the rollout manager groups a prompt's responses into one call only then."""
 
+    def takes_as_one_call(self, input_ids: Sequence[list[int]], sampling_params: Sequence[dict[str, Any]]) -> bool:
+        """Whether `generate_batch` of these entries is one call to the engine (the rollout manager
+        sends a prompt's responses as one task only then): `supports_batch_generate` here; vLLM's
+        client only for a parallel-sampling group (`vllm_group.parallel_group`)."""
+        return self.supports_batch_generate
+
     def generate_batch(self, input_ids: Sequence[list[int]], sampling_params: Sequence[dict[str, Any]],
                        rids: Sequence[str], return_logprob: bool = True, *,
                        eos_token_ids: Iterable[int] | None = None, timeout_s: float | None = None,

@@ -45,6 +45,7 @@ from megatron_rl.algorithms.reward_shaping import overlong_penalty
 from megatron_rl.data.dataset import PromptRow
 from megatron_rl.data.prompts import render_prompt_ids
 from megatron_rl.rollout.live import spans_of
+from megatron_rl.rollout.result import GenerateResult
 from megatron_rl.rollout.partial import continuation, derive_seed, join_routing, joined, response_seeds  # noqa: F401
 from megatron_rl.rollout.multiturn import RESTART_EPISODE, episode_stats, model_token_ids, run_episode
 
@@ -173,7 +174,7 @@ class RolloutManager:
             (`rollout.multi_turn`); None (default): one completion a response. Closed by `close`.
         consecutive_seeds: response j of a prompt samples with the prompt's seed + j
             (`partial.response_seeds`), so that engines with parallel sampling (vLLM: one request
-            with `n`, `rollout.vllm_parallel_sampling`) take a prompt's responses as one request;
+            with `n`, `rollout.parallel_sampling`) take a prompt's responses as one request;
             False (default): a seed derived per response.
     """
 
@@ -302,16 +303,19 @@ class RolloutManager:
         results = [f.result() for f in futures]
         return [results[i * n : (i + 1) * n] for i in range(len(rows))]
 
-    def _batch_calls(self) -> bool:
-        """Whether every engine takes a batch `/generate` (one call per group)."""
-        return bool(self.clients) and all(getattr(c, "supports_batch_generate", False) for c in self.clients)
+    def _batch_calls(self, ids: list[int], params: list[dict]) -> bool:
+        """Whether every engine takes a prompt's responses (`params`) as one call (SGLang's batch
+        `/generate`; vLLM's completion with `n`, for consecutive seeds only): then one task per group."""
+        one = [list(ids)] * len(params)
+        return bool(self.clients) and all(c.takes_as_one_call(one, params) if hasattr(c, "takes_as_one_call")
+                                          else getattr(c, "supports_batch_generate", False) for c in self.clients)
 
     def _submit_row(self, i: int, n: int, ids: list[int], params: list[dict], rids: list[str]) -> list[Future]:
         """Start the `n` responses of prompt `i`; one future per response (in order). With batch
         calls the group is one task on the pool (one `/generate` to the server picked for prompt `i`)
         whose results are fanned out to the `n` futures; otherwise one task per response (the server
         picked for response `i * n + j`)."""
-        if n == 1 or not self._batch_calls() or self.environment is not None:
+        if n == 1 or self.environment is not None or not self._batch_calls(ids, params):
             return [self._executor.submit(self._generate_one, i * n + j, ids, params[j], rids[j]) for j in range(n)]
         group = self._executor.submit(self.generate_batch_ids, [(ids, p, r) for p, r in zip(params, rids)], i)
         outs: list[Future] = [Future() for _ in range(n)]
@@ -389,6 +393,15 @@ class RolloutManager:
         attempt = 0
         active = list(range(k))
         while active:
+            if attempt == 0:  # aborted by us while it waited in the pool (over-sampling): never sent
+                for e in [e for e in active if self._own_abort(items[e][2])]:
+                    out[e] = GenerateResult(rid=items[e][2], output_ids=[], output_logprobs=[], finish_type="abort",
+                                            matched_stop=None, stop_reason="abort", prompt_tokens=len(items[e][0]),
+                                            completion_tokens=0, weight_version=None,
+                                            abort_message="aborted by the rollout manager before it was sent")
+                active = [e for e in active if out[e] is None]
+                if not active:
+                    break
             subs = []
             for e in active:
                 ids, params, rid = items[e]

@@ -6,7 +6,8 @@ The request and answer shapes are vLLM's own (docs/VLLM_API.md names the source 
 - generation: ``POST /v1/completions`` with the prompt as token ids, ``logprobs: 0`` (the sampled
   token's log-prob only), ``return_token_ids`` and ``return_tokens_as_token_ids`` (so every log-prob
   names its token id and can be checked against ``token_ids``), ``seed`` per request and
-  ``request_id`` = the rollout's rid (vLLM's engine id is then ``cmpl-<rid>-0``); with router
+  ``request_id`` = the rollout's rid (vLLM's engine id is then ``cmpl-<rid>-0``); a prompt's
+  responses with consecutive seeds as one request with ``n`` (``generate_batch``, ``vllm_group``); with router
   replay, ``choices[0].routed_experts`` (base64 ``.npy``; the server needs
   ``--enable-return-routed-experts``, there is no request field) is read and checked;
 - control: ``POST /pause?mode=abort|wait|keep``, ``POST /resume``, ``POST /abort_requests``
@@ -382,6 +383,10 @@ class VLLMClient(HTTPEngineClient):
     """K entries that are one prompt's responses (same prompt and params, seeds s, s + 1, ...) go out
     as one completion with ``n`` = K (``vllm_group``: what vLLM samples for them is what K requests
     would); any other batch as K requests side by side."""
+
+    def takes_as_one_call(self, input_ids: Sequence[list[int]], sampling_params: Sequence[dict[str, Any]]) -> bool:
+        """Only a parallel-sampling group is one call (``vllm_group.parallel_group``)."""
+        return parallel_group(input_ids, sampling_params)
 
     def generate_batch(self, input_ids: Sequence[list[int]], sampling_params: Sequence[dict[str, Any]],
                        rids: Sequence[str], return_logprob: bool = True, *, eos_token_ids: Iterable[int] | None = None,

@@ -7,7 +7,7 @@ child ``j`` of a request with ``seed`` s as its own request seeded s + j
 (``vllm/v1/engine/parallel_sampling.py``, ``ParentRequest``) and answers ``choices[j]`` (``index``
 j) for it, so the group samples exactly what ``n`` requests with seeds s, s + 1, ... would
 (``tests/live/``: checked against a real vLLM; the stand-in does the same). The rollout manager
-gives a prompt's responses consecutive seeds when `rollout.vllm_parallel_sampling` is on
+gives a prompt's responses consecutive seeds when `rollout.parallel_sampling` is on
 (``partial.response_seeds``); entries that are not such a group (a partial rollout's continuations,
 other seeds) go out one request each.
 

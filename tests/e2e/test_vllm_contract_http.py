@@ -71,7 +71,7 @@ COMPLETIONS = [
 
 def _session(c: VLLMClient) -> list:
     """Every call of the client but ``generate`` (captured separately), in an order vLLM accepts."""
-    c._inflight.add("rid-7")  # a generation in flight, so that abort by prefix names its engine id
+    c._inflight["rid-7"] = "cmpl-rid-7-0"  # a generation in flight, so that abort by prefix names its engine id
     return [
         c.is_healthy(), c.transfer_world_size(), c.weight_version(), c.model_info(), c.is_paused(),
         c.pause_generation("abort"), c.pause_generation("in_place"), c.pause_generation("retract"),
@@ -131,18 +131,20 @@ def _capture() -> tuple[list[dict], list[dict]]:
         sent.append(_record(request))
         if request.url.path == "/v1/completions":
             body = json.loads(request.content)
-            n = 3
-            return httpx.Response(200, json={"choices": [{"token_ids": [5] * n, "finish_reason": "length",
+            n, k = 3, body.get("n", 1)
+            return httpx.Response(200, json={"choices": [{"index": j, "token_ids": [5] * n, "finish_reason": "length",
                                                           "stop_reason": None, "logprobs": {
                                                               "token_logprobs": [-1.0] * n,
-                                                              "tokens": ["token_id:5"] * n}}],
-                                             "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": n}})
+                                                              "tokens": ["token_id:5"] * n}} for j in range(k)],
+                                             "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": n * k}})
         payload = PLAUSIBLE[request.url.path]
         return httpx.Response(200, json=payload) if payload is not None else httpx.Response(200)
 
     c = VLLMClient("http://vllm-contract-capture:8000", transport=httpx.MockTransport(handler), max_retries=0)
     c.generate([1, 2, 3], dict(SAMPLING), "rid-1")
     c.generate([4, 5], {"max_new_tokens": 8, "top_k": 5}, "rid-2", return_logprob=False)
+    c.generate_batch([[1, 2, 3]] * 4, [dict(SAMPLING, sampling_seed=42 + j) for j in range(4)],
+                     [f"grp-r{j}" for j in range(4)])  # parallel sampling: one body with n=4 (rollout/vllm_group.py)
     completions = [r for r in sent if r["path"] == "/v1/completions"]
     del sent[:]
     _session(c)
@@ -153,13 +155,15 @@ def _capture() -> tuple[list[dict], list[dict]]:
 @pytest.fixture(scope="module")
 def vllm_side():
     requests, completions = _capture()
+    completions, group = completions[:2], completions[2]
     payload = {"requests": completions + requests, "controls": CONTROLS,
-               "completions": [{"request": completions[0]["body"], "output": out} for out, _ in COMPLETIONS]}
+               "completions": [{"request": completions[0]["body"], "output": out} for out, _ in COMPLETIONS],
+               "groups": [{"request": group["body"], "output": {"choices": [out for out, _ in COMPLETIONS[:4]]}}]}
     proc = subprocess.run([VLLM_PYTHON, str(SIDE)], input=json.dumps(payload), capture_output=True, text=True,
                           timeout=600)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return requests, completions, json.loads(lines[-1][len("RESULT "):])
+    return requests, completions + [group], json.loads(lines[-1][len("RESULT "):])
 
 
 def test_completion_bodies_pass_vllms_request_model(vllm_side):
@@ -173,6 +177,31 @@ def test_completion_bodies_pass_vllms_request_model(vllm_side):
     assert first["request_id"] == "rid-1" and second["request_id"] == "rid-2"
     assert second["sampling"]["top_k"] == 5 and second["sampling"]["max_tokens"] == 8
     assert second["sampling"]["logprobs"] is None  # return_logprob=False sends no logprobs
+
+
+def test_a_parallel_sampling_group_passes_vllms_request_model_and_answer(vllm_side):
+    """A prompt's 4 responses with seeds 42..45 go as one body (`VLLMClient.generate_batch`): vLLM's
+    `CompletionRequest` takes it whole, with `n` = 4 and `seed` 42 (vLLM seeds child j with 42 + j);
+    the answer vLLM's `request_output_to_completion_response` assembles for 4 children (choice j =
+    child j) is split back into 4 results in entry order, each with its finish reason."""
+    _, completions, got = vllm_side
+    [group] = got["groups"]
+    check, answer = group["check"], group["answer"]
+    assert "error" not in check and check["ignored"] == [], check
+    assert check["sampling"]["n"] == 4 and check["sampling"]["seed"] == 42
+    assert check["request_id"] == "grp-r0-n4" and completions[2]["body"]["n"] == 4
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2, 3]
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json=answer)
+
+    c = VLLMClient("http://vllm-contract-replay:8000", transport=httpx.MockTransport(handler), max_retries=0)
+    out = c.generate_batch([[1, 2, 3]] * 4, [dict(SAMPLING, sampling_seed=42 + j) for j in range(4)],
+                           [f"grp-r{j}" for j in range(4)], eos_token_ids=[EOS])
+    assert [r.rid for r in out] == [f"grp-r{j}" for j in range(4)]
+    for r, (spec, (reason, matched)) in zip(out, COMPLETIONS):
+        assert r.output_ids == spec["token_ids"] and r.output_logprobs == spec["logprobs"]
+        assert (r.stop_reason, r.matched_stop) == (reason, matched) and r.completion_tokens == len(spec["token_ids"])
 
 
 def test_the_checks_can_fail(vllm_side):

@@ -150,18 +150,23 @@ def completion_answer(req_body, spec):
     serving.system_fingerprint = None
     serving.return_tokens_as_token_ids = False
     req = CompletionRequest.model_validate(req_body)
-    ids = spec["token_ids"]
-    logprobs = [{t: Logprob(logprob=lp, rank=1, decoded_token=None)} for t, lp in zip(ids, spec["logprobs"])]
-    output = CompletionOutput(index=0, text="", token_ids=ids, cumulative_logprob=None,
-                              logprobs=logprobs if req.logprobs is not None else None,
-                              finish_reason=spec["finish_reason"], stop_reason=spec["stop_reason"])
+
+    def output_of(index, one):
+        ids = one["token_ids"]
+        logprobs = [{t: Logprob(logprob=lp, rank=1, decoded_token=None)} for t, lp in zip(ids, one["logprobs"])]
+        return CompletionOutput(index=index, text="", token_ids=ids, cumulative_logprob=None,
+                                logprobs=logprobs if req.logprobs is not None else None,
+                                finish_reason=one["finish_reason"], stop_reason=one["stop_reason"])
+
+    # spec "choices": the n children of a parallel-sampling request, as the parent's aggregator orders them
+    outputs = [output_of(j, one) for j, one in enumerate(spec["choices"])] if "choices" in spec else [output_of(0, spec)]
     engine_id = f"cmpl-{req.request_id}"
     prompt_logprobs = None  # spec "prompt_logprobs": one log-prob per prompt token after the first
     if spec.get("prompt_logprobs") is not None:
         prompt_logprobs = [None] + [{t: Logprob(logprob=lp, rank=1, decoded_token=None)}
                                     for t, lp in zip(list(req.prompt)[1:], spec["prompt_logprobs"])]
     final = RequestOutput(request_id=f"{engine_id}-0", prompt=None, prompt_token_ids=list(req.prompt),
-                          prompt_logprobs=prompt_logprobs, outputs=[output], finished=True)
+                          prompt_logprobs=prompt_logprobs, outputs=outputs, finished=True)
     resp = serving.request_output_to_completion_response(
         [final], req, engine_id, 1, "Qwen/x", None, RequestResponseMetadata(request_id=engine_id))
     return json.loads(resp.model_dump_json())
@@ -188,7 +193,10 @@ def main():
         else:
             results.append(replay(client, app, request))
     answers = [completion_answer(c["request"], c["output"]) for c in data["completions"]]
-    print("RESULT " + json.dumps({"requests": results, "completions": answers, "controls": controls}))
+    groups = [{"check": check_completion(g["request"]), "answer": completion_answer(g["request"], g["output"])}
+              for g in data.get("groups", [])]
+    print("RESULT " + json.dumps({"requests": results, "completions": answers, "controls": controls,
+                                  "groups": groups}))
 
 
 if __name__ == "__main__":

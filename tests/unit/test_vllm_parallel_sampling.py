@@ -139,3 +139,68 @@ def test_a_group_answer_in_another_shape_is_refused():
     fake.release.set()
     with pytest.raises(RolloutServerError, match=r"expected 0..1 \(n=2\)"):
         _client(fake).generate_batch([[1]] * 2, [{"sampling_seed": 3}, {"sampling_seed": 4}], ["q-r0", "q-r1"])
+
+
+def _manager_with(client, consecutive: bool, max_concurrency: int = 4):
+    from megatron_rl.rollout.manager import RolloutManager
+
+    return RolloutManager([client], None, None, reward_fn="dapo_math", max_prompt_length=64, max_response_length=8,
+                          max_concurrency=max_concurrency, eos_token_ids=[EOS], consecutive_seeds=consecutive)
+
+
+class _Counting:
+    """Answers every completion (any n) after a short wait; records the bodies and the peak in flight."""
+
+    def __init__(self):
+        self.lock, self.now, self.peak, self.bodies = threading.Lock(), 0, 0, []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        import json
+        import time
+
+        body = json.loads(request.content)
+        with self.lock:
+            self.bodies.append(body)
+            self.now += 1
+            self.peak = max(self.peak, self.now)
+        time.sleep(0.05)
+        with self.lock:
+            self.now -= 1
+        return httpx.Response(200, json=_answer([_choice(j, [7, EOS]) for j in range(body.get("n", 1))]))
+
+
+@pytest.mark.parametrize("consecutive", [True, False], ids=["parallel_sampling", "per_response_seeds"])
+def test_manager_groups_only_consecutive_seeds_and_keeps_its_concurrency(consecutive):
+    """With consecutive seeds each prompt's 8 responses are one request with n=8; without, 8 requests,
+    one task each, so `max_concurrency` (4) bounds what is in flight (a group path that fell back to
+    8 threads per task had 4 x 8 in flight: breaker pass of issue 30)."""
+    from megatron_rl.rollout.manager import request_id
+
+    fake = _Counting()
+    m = _manager_with(_client(fake), consecutive)
+    futures = []
+    for i in range(6):
+        seeds = response_seeds((0, 1, 0), i, 8, consecutive=consecutive)
+        params = [{"max_new_tokens": 8, "sampling_seed": s} for s in seeds]
+        futures += m._submit_row(i, 8, [1, 2, 3], params, [request_id("s1-b0", i, j, 8) for j in range(8)])
+    res = [f.result(timeout=30) for f in futures]
+    assert [r.rid for r in res] == [request_id("s1-b0", i, j, 8) for i in range(6) for j in range(8)]
+    if consecutive:
+        assert len(fake.bodies) == 6 and all(b["n"] == 8 for b in fake.bodies)
+    else:
+        assert len(fake.bodies) == 48 and all("n" not in b for b in fake.bodies)
+    assert fake.peak <= 4
+    m.close()
+
+
+def test_a_group_aborted_while_it_waits_in_the_pool_is_never_sent():
+    """Over-sampling aborts the batch by its tag while later groups still wait for a pool thread: they
+    end as aborts without a request (before, they were sent after the abort and ran to full length)."""
+    fake = _Counting()
+    m = _manager_with(_client(fake), True)
+    m.abort("s2-b0-")
+    params = [{"max_new_tokens": 8, "sampling_seed": 10 + j} for j in range(4)]
+    res = [f.result(timeout=10) for f in m._submit_row(0, 4, [1, 2], params, [f"s2-b0-p0-r{j}" for j in range(4)])]
+    assert fake.bodies == [] and all(r.finish_type == "abort" for r in res)
+    assert "before it was sent" in res[0].abort_message
+    m.close()
