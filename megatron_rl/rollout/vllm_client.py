@@ -278,7 +278,8 @@ class VLLMClient(HTTPEngineClient):
             raise RolloutServerError(
                 f"{method} {path} at {self.base_url}: HTTP 404 - the server has no such route. megatron-rl speaks "
                 f"vLLM {VLLM_VERSION}'s RL API, which `vllm serve` exposes only with VLLM_SERVER_DEV_MODE=1 and "
-                "--weight-transfer-config '{\"backend\": \"nccl\"}' (what `megatron-rl train` starts it with); is "
+                "--weight-transfer-config '{\"backend\": \"nccl\"}' (\"gloo\" for vLLM's CPU build: docs/engines.md; "
+                "what `megatron-rl train` starts it with); is "
                 "this server another vLLM version, started without them, or not vLLM at all? (docs/VLLM_API.md): "
                 f"{e}", url=e.url, status_code=404, body=e.body) from e
 

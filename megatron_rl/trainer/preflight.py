@@ -224,7 +224,7 @@ def engine_environment(cfg: Config) -> Optional[str]:
             elif not version.startswith(ENGINE_PINS[r.backend]):
                 logger.warning("%s: %s %s is installed for %r; megatron-rl speaks the API of %s%s (answers that "
                                "differ fail with an error naming the version)", key, r.backend, version, python,
-                               r.backend, ENGINE_PINS[r.backend] + "x")
+                               r.backend + " ", ENGINE_PINS[r.backend] + "x")
     if r.backend == "vllm" and cfg.weight_sync.backend == "nccl":
         import torch
 

@@ -431,6 +431,8 @@ def _connect_controller(run: Run, stack: contextlib.ExitStack, remote_urls=()) -
         consecutive_seeds=r.consecutive_seeds(r.backend),
     )
     stack.callback(manager.close)
+    logger.info("rollout: %s", "a prompt's responses as one request with n (rollout.parallel_sampling: seeds s..s+n-1)"
+                if manager.consecutive_seeds else "a seed per response (rollout.parallel_sampling off)")
     run.producer = RolloutProducer(cfg, manager, run.dataset, run.tracker, pad_id=run.pad_id, dp_size=run.pgs.dp_size)
     run.writer = MetricsWriter(run.run_dir, tensorboard=cfg.trainer.tensorboard,
                                wandb_project="megatron-rl" if cfg.trainer.wandb else None,
