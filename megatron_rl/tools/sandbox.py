@@ -216,6 +216,24 @@ class Sandbox(ABC):
         """Stop workers and delete their folders. Calling it twice is harmless."""
 
 
+def _drain(fds: set[int], caps: dict) -> None:
+    """Read what the exited program left in its pipes (`fds`), without waiting: everything it wrote
+    before it exited is there. The read loop stops 0.5 s after the exit (a descendant outside the PID
+    namespace may hold a pipe open); a trainer thread that did not run for those 0.5 s (a loaded
+    machine, the GIL) used to leave that output unread: the model then saw an empty answer (the cause
+    of a resumed tool run that differed from the uninterrupted one in CI)."""
+    for fd in fds:
+        os.set_blocking(fd, False)
+        try:
+            for _ in range(64):  # at most 4 MiB a pipe (a writer outside the namespace may still write)
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    break
+                caps[fd].feed(chunk)
+        except BlockingIOError:
+            pass
+
+
 def _readable(fd: int, timeout_s: float) -> bool:
     """Whether `fd` (a pidfd: readable once its process exited) becomes readable within `timeout_s`.
     poll, never select.select: a trainer with >= 1024 open files has descriptors select cannot take."""
@@ -586,10 +604,13 @@ class ProcessSandbox(Sandbox):
                 now = time.monotonic()
                 if exited_at is not None and (not open_fds or now - exited_at > 0.5):
                     break  # after the exit, descendants outside a PID namespace may hold the pipes
-                if now >= deadline:
-                    timed_out = True
-                    break
-                for key, _ in sel.select(min(deadline - now, 0.5)):
+                if now >= deadline and exited_at is None:
+                    if not _readable(pidfd, 0):
+                        timed_out = True
+                        break
+                    sel.unregister(pidfd)  # it exited in time; this thread just did not look (load, GIL)
+                    exited_at = now
+                for key, _ in sel.select(0.5 if exited_at is not None else min(deadline - now, 0.5)):
                     if key.fd == pidfd:
                         sel.unregister(pidfd)
                         exited_at = time.monotonic()
@@ -600,6 +621,8 @@ class ProcessSandbox(Sandbox):
                         open_fds.discard(key.fd)
                         continue
                     caps[key.fd].feed(chunk)
+        if not timed_out:
+            _drain(open_fds, caps)
         os.close(pidfd)
         worker.kill()
         _, status, usage = os.wait4(worker.proc.pid, 0)

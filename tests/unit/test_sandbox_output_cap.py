@@ -127,3 +127,81 @@ def test_the_tool_shows_the_model_the_tail_of_a_traceback(sandbox):
     r = PythonTool(sandbox=sandbox).call({"code": "print('y' * 100000)\nraise ValueError('the end')"})
     assert not r.ok and "ValueError: the end" in r.error
     assert r.metrics["omitted_bytes"] == 100001 - 4096 and "bytes omitted" in r.output
+
+
+class _StallingSelector:
+    """selectors.DefaultSelector whose select first reports only the program's exit (its output waits
+    in the pipe) and then stalls `stall_s` (a trainer thread descheduled under load or waiting for the GIL)."""
+
+    def __init__(self, real, stall_s: float, pidfds: set):
+        self.sel, self.stall_s, self.pidfds, self.stalled = real(), stall_s, pidfds, False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        self.sel.close()
+
+    def register(self, fd, events):
+        return self.sel.register(fd, events)
+
+    def unregister(self, fd):
+        return self.sel.unregister(fd)
+
+    def select(self, timeout=None):
+        import time
+
+        if self.stalled:
+            return self.sel.select(timeout)
+        while True:  # the output stays unread in the pipe until the exit shows (it fits the pipe's buffer)
+            exits = [e for e in self.sel.select(timeout) if e[0].fd in self.pidfds]
+            if exits:
+                self.stalled = True
+                time.sleep(self.stall_s)
+                return exits
+
+
+@pytest.mark.parametrize("stall_s, wall_s", [(0.7, 20), (2.5, 1.0)], ids=["past_the_exit_grace", "past_the_wall_limit"])
+def test_output_is_read_whole_when_the_reading_thread_stalls(monkeypatch, stall_s, wall_s):
+    """The program prints and exits at once; the thread reading its pipes then does not run for
+    `stall_s` (load, GIL). Before: past the 0.5 s grace after the exit it stopped reading, and the
+    model got an empty answer (a resumed tool run differed from the uninterrupted one in CI); past
+    the wall limit the program counted as timed out. Now: the whole output, exit status 0."""
+    import megatron_rl.tools.sandbox as sandbox_module
+
+    try:
+        sb = ProcessSandbox(SandboxConfig(pool_size=0, wall_timeout_s=wall_s, cpu_time_s=10, disk_mib=8))
+    except SandboxError as e:
+        pytest.skip(f"no sandbox on this machine: {e}")
+    pidfds: set = set()
+    real_open = os.pidfd_open
+
+    def pidfd_open(pid, *a):
+        fd = real_open(pid, *a)
+        pidfds.add(fd)
+        return fd
+
+    monkeypatch.setattr(sandbox_module.os, "pidfd_open", pidfd_open)
+    real = sandbox_module.selectors.DefaultSelector
+    made: list = []
+
+    def selector():
+        made.append(_StallingSelector(real, stall_s, pidfds))
+        return made[-1]
+
+    monkeypatch.setattr(sandbox_module.selectors, "DefaultSelector", selector)
+    clock, calls_after = sandbox_module.time.monotonic, [0]
+
+    def monotonic():  # the stall also lands after the exit was noted (the next look at the clock)
+        if made and made[-1].stalled:
+            calls_after[0] += 1
+            return clock() + (stall_s if calls_after[0] > 1 else 0.0)
+        return clock()
+
+    monkeypatch.setattr(sandbox_module.time, "monotonic", monotonic)
+    try:
+        r = sb.run("import sys, os\nsys.stdout.write('x' * 3000 + '\\n'); sys.stdout.flush(); os._exit(0)")
+    finally:
+        sb.close()
+    assert r.exit_code == 0 and not r.timed_out and r.error == "", (r.error, r.exit_code)
+    assert r.stdout == "x" * 3000 + "\n"
