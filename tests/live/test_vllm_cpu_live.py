@@ -131,8 +131,11 @@ def test_one_request_with_n_samples_what_n_requests_seeded_s_plus_j_do(vllm_serv
     time.sleep(0.5)
     client.abort_request(rid=f"{tag}-long-r2")
     t.join(60)
-    assert [r.finish_type for r in box["out"]] == ["abort"] * 3, [r.finish_type for r in box["out"]]
-    assert all(len(r.output_ids) < 200 for r in box["out"])
+    finishes = [r.finish_type for r in box["out"]]
+    # every child still running when the abort came ends as an abort (a fast child may have finished its
+    # 200 tokens in the 0.5 s before it: CI saw ["length", "abort", "abort"])
+    assert "abort" in finishes and set(finishes) <= {"abort", "length"}, finishes
+    assert all(len(r.output_ids) < 200 for r in box["out"] if r.finish_type == "abort")
 
 
 def test_gloo_weight_update_changes_and_restores_generations(vllm_server):
@@ -264,8 +267,11 @@ def test_async_eta1_trains_against_two_vllm_engines(vllm_engines, tmp_path, mode
 
     servers, _, _ = vllm_engines
     run_dir = tmp_path / "run"
-    extra = (["rollout.pause_mode=abort", "rollout.partial_rollout=true"] if mode == "partial_rollout"
-             else ["rollout.pause_mode=in_place"])
+    # partial rollouts one request per response: a prompt's group as one request with n finishes sooner,
+    # and in CI no request was left in flight at an update to exercise them (the group path's pause and
+    # continuation: tests/unit/test_group_requests.py and the breaker pass of issue 30)
+    extra = (["rollout.pause_mode=abort", "rollout.partial_rollout=true", "rollout.parallel_sampling=false"]
+             if mode == "partial_rollout" else ["rollout.pause_mode=in_place"])
     out = train(run_dir, _urls(servers), "trainer.max_staleness=1", "trainer.total_training_steps=3",
                 "trainer.save_interval=0", "eval.before_train=false", "eval.after_train=false",
                 "rollout.max_concurrency=8", *extra)
