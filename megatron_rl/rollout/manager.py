@@ -395,10 +395,8 @@ class RolloutManager:
         while active:
             if attempt == 0:  # aborted by us while it waited in the pool (over-sampling): never sent
                 for e in [e for e in active if self._own_abort(items[e][2])]:
-                    out[e] = GenerateResult(rid=items[e][2], output_ids=[], output_logprobs=[], finish_type="abort",
-                                            matched_stop=None, stop_reason="abort", prompt_tokens=len(items[e][0]),
-                                            completion_tokens=0, weight_version=None,
-                                            abort_message="aborted by the rollout manager before it was sent")
+                    out[e] = GenerateResult.unsent_abort(items[e][2], len(items[e][0]),
+                                                         "aborted by the rollout manager before it was sent")
                 active = [e for e in active if out[e] is None]
                 if not active:
                     break

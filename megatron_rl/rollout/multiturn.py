@@ -464,9 +464,7 @@ def _episode_turn(episode: Episode, generate, gate, ids: list[int], params: dict
     oldest = min((v for v, _ in episode.spans), default=None)
     floor = None if gate is None else gate.stale_floor
     if oldest is not None and floor is not None and oldest < floor:
-        return GenerateResult(rid=rid, output_ids=[], output_logprobs=[], finish_type="abort", matched_stop=None,
-                              stop_reason="abort", prompt_tokens=len(ids), completion_tokens=0, weight_version=None,
-                              abort_message=RESTART_EPISODE)
+        return GenerateResult.unsent_abort(rid, len(ids), RESTART_EPISODE)
     res = generate(ids, params, rid, oldest)
     floor = None if gate is None else gate.stale_floor
     versions = [v for v, _ in res.version_spans] + ([] if oldest is None else [oldest])

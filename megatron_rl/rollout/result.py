@@ -229,6 +229,13 @@ class GenerateResult:
     episode: dict | None = field(default=None, compare=False)
 
     @classmethod
+    def unsent_abort(cls, rid: str, prompt_tokens: int, message: str) -> GenerateResult:
+        """An abort with no tokens for a request that was not sent (or not kept): `message` says why."""
+        return cls(rid=rid, output_ids=[], output_logprobs=[], finish_type="abort", matched_stop=None,
+                   stop_reason="abort", prompt_tokens=prompt_tokens, completion_tokens=0, weight_version=None,
+                   abort_message=message)
+
+    @classmethod
     def from_sglang(
         cls,
         response: Mapping[str, Any],
